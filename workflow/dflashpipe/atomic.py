@@ -1,0 +1,62 @@
+"""Atomic outputs: nothing half-written is ever mistaken for a result.
+
+Every file or directory a stage produces is first written under a temporary
+name in the same directory, then renamed into place (rename is atomic on POSIX
+within one filesystem). A killed job leaves at most a ``.tmp-*`` sibling, which
+the next attempt removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def _tmp_sibling(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
+    os.close(fd)
+    return Path(tmp)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, is_dir: bool = False):
+    """Yield a temporary path; on success rename it to ``path``.
+
+    For ``is_dir=True`` the yielded path is a fresh empty directory. On any
+    exception the temporary is removed and ``path`` is left untouched.
+    """
+    path = Path(path)
+    tmp = _tmp_sibling(path)
+    if is_dir:
+        tmp.unlink()
+        tmp.mkdir()
+    try:
+        yield tmp
+        if is_dir and path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+        raise
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    """Write ``obj`` as pretty JSON, atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def torch_save(obj, path: str | os.PathLike) -> None:
+    """``torch.save`` atomically (checkpoints)."""
+    import torch
+
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)
