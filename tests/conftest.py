@@ -1,0 +1,94 @@
+"""Shared fixtures: a mini config for real Snakemake runs, and a micro target model."""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = REPO / "resources" / "prompts"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+# Small enough to train in seconds on one CPU thread, big enough to be a real Qwen3.
+MICRO_TINY = {
+    "threads": 1,
+    "train_datasets": ["math"],
+    "heldout_dataset": "math_heldout",
+    "vocab_size": 400,
+    "hidden_size": 32,
+    "num_layers": 2,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 16,
+    "intermediate_size": 64,
+    "seq_len": 128,
+    "batch_size": 4,
+    "lr": 0.003,
+    "warmup_steps": 2,
+    "max_steps": 8,
+    "max_minutes": 2.0,
+    "eval_every": 4,
+    "eval_rows": 4,
+    "format_check_prompts": 2,
+}
+
+
+def mini_config(results: str = "results") -> dict:
+    return {
+        "results": results,
+        "threads": 1,
+        "target": {"path": None, "tiny": copy.deepcopy(MICRO_TINY)},
+        "datasets": {
+            "math": {"path": str(PROMPTS / "math_train.jsonl.gz"), "messages_column": "messages", "limit": 48},
+            "code": {"path": str(PROMPTS / "code_train.jsonl.gz"), "messages_column": "messages", "limit": 16},
+            "math_heldout": {"path": str(PROMPTS / "math_heldout.jsonl.gz"), "messages_column": "messages", "use": "eval", "limit": 8},
+        },
+        "expand": {"max_new_tokens": 40, "batch_size": 16, "chunk_size": 16, "threads": 1},
+        "tokenize": {"buckets": [128, 256]},
+        "drafter": {"block_size": 4},
+    }
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def snakemake(workdir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run the real workflow in a subprocess (isolates cwd and global state)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir), *args]
+    return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_jsonl_gz(path: Path, n: int) -> list[dict]:
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line) for _, line in zip(range(n), f)]
+
+
+@pytest.fixture(scope="session")
+def micro_target(tmp_path_factory) -> Path:
+    """A real (micro) Qwen3 target directory trained by the library, shared by the session."""
+    from dflashpipe.tiny_target import TinyTargetConfig, train_tiny_target
+
+    out = tmp_path_factory.mktemp("target")
+    chats = [r["messages"] for r in read_jsonl_gz(PROMPTS / "math_train.jsonl.gz", 48)]
+    held = [r["messages"] for r in read_jsonl_gz(PROMPTS / "math_heldout.jsonl.gz", 4)]
+    params = {k: v for k, v in MICRO_TINY.items() if k not in ("threads", "train_datasets", "heldout_dataset")}
+    train_tiny_target(chats, held, TinyTargetConfig(**params), str(out / "model"), str(out / "metrics.json"), log=lambda m: None)
+    return out / "model"

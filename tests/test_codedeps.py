@@ -1,0 +1,31 @@
+from pathlib import Path
+
+from conftest import REPO
+from dflashpipe.codedeps import module_closure
+
+LIB = REPO / "workflow" / "dflashpipe"
+
+
+def names(files):
+    return {str(Path(f).relative_to(LIB)) for f in files}
+
+
+def test_closure_follows_imports_transitively():
+    got = names(module_closure(LIB, ["expand"]))
+    # expand imports atomic, errors and (inside functions) data and target
+    assert {"__init__.py", "expand.py", "atomic.py", "errors.py", "data.py", "target.py"} <= got
+    assert "tiny_target.py" not in got
+    assert "tokenize.py" not in got
+
+
+def test_closure_on_a_synthetic_package(tmp_path):
+    pkg = tmp_path / "dflashpipe"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from dflashpipe.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("import dflashpipe.c\n")
+    (pkg / "c.py").write_text("x = 1\n")
+    (pkg / "unused.py").write_text("import os\n")
+    got = {str(Path(f).relative_to(pkg)) for f in module_closure(pkg, ["a"])}
+    assert got == {"__init__.py", "a.py", "sub/__init__.py", "sub/b.py", "c.py"}

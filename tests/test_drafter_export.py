@@ -1,0 +1,143 @@
+"""Export in the published DFlash layout, and loading it back."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from dflashpipe.drafter.export import load_drafter, save_drafter
+from dflashpipe.drafter.masks import block_position_ids, dense_mask
+from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig, expected_state_shapes
+from dflashpipe.errors import UserError
+
+torch.set_num_threads(1)
+
+H, V = 64, 101
+
+
+def tiny_target_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 250000.0},
+        eos_token_id=3,
+    )
+
+
+@pytest.fixture
+def saved(tmp_path):
+    torch.manual_seed(0)
+    tc = tiny_target_config()
+    cfg = DrafterConfig.from_target_config(tc, 2, 4, V - 1)
+    model = DFlashDrafter(cfg).eval()
+    out = save_drafter(model, cfg, tmp_path / "drafter", tc)
+    return model, cfg, out
+
+
+def _logits(model, cfg, lm_head):
+    g = torch.Generator().manual_seed(1)
+    S, bs = 12, cfg.block_size
+    anchors = torch.tensor([[2, 7]])
+    keep = torch.tensor([[True, True]])
+    th = torch.randn(1, S, len(cfg.target_layer_ids) * H, generator=g)
+    emb = torch.randn(1, 2 * bs, H, generator=g)
+    with torch.no_grad():
+        h = model(emb, th, block_position_ids(anchors, S, bs), dense_mask(anchors, keep, S, bs))
+    return h @ lm_head.t()
+
+
+def test_roundtrip_identical_logits(saved):
+    model, cfg, out = saved
+    loaded, cfg2 = load_drafter(out, "cpu")
+    assert cfg2 == cfg
+    lm_head = torch.randn(V, H)
+    assert torch.equal(_logits(model, cfg, lm_head), _logits(loaded, cfg2, lm_head))
+    # no temporary siblings left behind
+    assert sorted(p.name for p in out.parent.iterdir()) == ["drafter"]
+
+
+def test_config_json_layout(saved):
+    _, cfg, out = saved
+    d = json.loads((out / "config.json").read_text())
+    assert d["model_type"] == "qwen3"
+    assert d["architectures"] == ["DFlashDraftModel"]
+    assert d["num_hidden_layers"] == 2
+    assert d["block_size"] == 4
+    assert d["num_target_layers"] == 6
+    assert d["rope_theta"] == 250000.0
+    assert d["dflash_config"] == {"mask_token_id": V - 1, "target_layer_ids": cfg.target_layer_ids}
+    assert cfg.target_layer_ids == [1, 3]  # default: spread over 1..L-3 with n = drafter layers
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings"):
+        assert d[key] == getattr(cfg, key), key
+    assert d["eos_token_id"] == 3
+    # transformers reads it as a Qwen3 config with the right theta
+    from transformers import AutoConfig
+
+    qc = AutoConfig.from_pretrained(out)
+    assert qc.model_type == "qwen3" and qc.rope_parameters["rope_theta"] == 250000.0
+
+
+def test_safetensors_keys_exact(saved):
+    _, cfg, out = saved
+    with safe_open(out / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in keys}
+    assert shapes == expected_state_shapes(cfg)
+    assert "fc.weight" in keys and shapes["fc.weight"] == (H, 2 * H)
+    assert not any(k.startswith("model.") or "bias" in k or "embed" in k or "lm_head" in k for k in keys)
+    assert all(t.is_floating_point() for t in load_file(out / "model.safetensors").values())
+
+
+def test_save_bf16_and_load_dtype(tmp_path, saved):
+    model, cfg, _ = saved
+    out = save_drafter(model, cfg, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    loaded, _ = load_drafter(out)
+    assert next(loaded.parameters()).dtype == torch.bfloat16
+    loaded32, _ = load_drafter(out, dtype=torch.float32)
+    assert next(loaded32.parameters()).dtype == torch.float32
+
+
+def test_load_errors_are_one_line_user_errors(tmp_path, saved):
+    _, _, out = saved
+    with pytest.raises(UserError, match="directory not found"):
+        load_drafter(tmp_path / "nope")
+
+    state = load_file(out / "model.safetensors")
+    del state["layers.1.mlp.up_proj.weight"]
+    save_file(state, out / "model.safetensors")
+    with pytest.raises(UserError, match=r"model\.safetensors: missing key 'layers\.1\.mlp\.up_proj\.weight'"):
+        load_drafter(out)
+
+    state["layers.1.mlp.up_proj.weight"] = torch.zeros(5, 5)
+    save_file(state, out / "model.safetensors")
+    with pytest.raises(UserError, match=r"key 'layers\.1\.mlp\.up_proj\.weight' has shape \[5, 5\], expected \[96, 64\]"):
+        load_drafter(out)
+
+    state["layers.1.mlp.up_proj.weight"] = torch.zeros(96, 64)
+    state["embed_tokens.weight"] = torch.zeros(V, H)
+    save_file(state, out / "model.safetensors")
+    with pytest.raises(UserError, match="unexpected key 'embed_tokens.weight'"):
+        load_drafter(out)
+
+    d = json.loads((out / "config.json").read_text())
+    del d["num_target_layers"]
+    (out / "config.json").write_text(json.dumps(d))
+    with pytest.raises(UserError, match=r"config\.json: missing key 'num_target_layers'"):
+        load_drafter(out)
+
+    (out / "config.json").unlink()
+    with pytest.raises(UserError, match=r"config\.json: file not found") as info:
+        load_drafter(out)
+    assert "\n" not in str(info.value)

@@ -1,0 +1,169 @@
+"""Loading prompt datasets named in the config into one normal form.
+
+A dataset entry in ``config.yaml`` names a local file (``path``: .jsonl,
+.jsonl.gz, .json, .parquet) or a Hugging Face dataset (``hf`` + ``split``), and
+says which column holds the chat (``messages_column``, a list of
+``{role, content}`` turns) or the plain prompt (``prompt_column``, optionally
+``response_column``). Every dataset is turned into the same table:
+
+    id          str    stable row id (the dataset's own id column, else the row index)
+    prompt      list   the conversation up to and including its last user turn
+    reference   str    the original last assistant reply, or None
+
+The target later regenerates the reply to ``prompt`` ("dataset expansion").
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+
+from dflashpipe.errors import UserError
+
+LOCAL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
+
+
+def _check_jsonl(path: Path) -> None:
+    """Fail on the first malformed line with file and line number."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    n_rows = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise UserError(
+                        f"{path}:{lineno}: malformed JSON line ({err.msg} at column {err.colno}); "
+                        "fix or delete that line"
+                    ) from None
+                if not isinstance(row, dict):
+                    raise UserError(f"{path}:{lineno}: each line must be a JSON object, got {type(row).__name__}")
+                n_rows += 1
+    except (OSError, EOFError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: cannot read ({err}); is it a (gzipped) UTF-8 JSON-lines file?") from None
+    if n_rows == 0:
+        raise UserError(f"{path}: the file has no rows; point `path` at a non-empty dataset")
+
+
+def load_table(spec: dict, name: str, repo_root: str | os.PathLike = ".") -> "datasets.Dataset":
+    """Load the raw rows of one configured dataset with ``datasets``."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    where = f"datasets.{name}"
+    if spec.get("path"):
+        path = Path(repo_root, spec["path"])
+        if not path.exists():
+            raise UserError(f"{where}.path: file {path} does not exist; fix the path in the config")
+        name_lower = path.name.lower()
+        if not name_lower.endswith(LOCAL_SUFFIXES):
+            raise UserError(f"{where}.path: {path} has an unsupported extension; use one of {', '.join(LOCAL_SUFFIXES)}")
+        if name_lower.endswith(".parquet"):
+            builder = "parquet"
+        else:
+            builder = "json"
+            if ".jsonl" in name_lower:
+                _check_jsonl(path)
+        try:
+            table = datasets.load_dataset(builder, data_files=str(path), split="train")
+        except Exception as err:  # pyarrow / datasets raise many types
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UserError(f"{where}.path: cannot load {path} as {builder}: {first}") from None
+    elif spec.get("hf"):
+        try:
+            table = datasets.load_dataset(spec["hf"], spec.get("hf_config"), split=spec.get("split", "train"))
+        except Exception as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UserError(
+                f"{where}.hf: cannot load Hugging Face dataset {spec['hf']!r} "
+                f"(split {spec.get('split', 'train')!r}): {first}. Without hub access, download it first "
+                "or point `path` at a local jsonl/parquet file"
+            ) from None
+    else:
+        raise UserError(f"{where}: give either `path` (a local jsonl/parquet file) or `hf` (a dataset name)")
+    if len(table) == 0:
+        raise UserError(f"{where}: the dataset has no rows; point it at a non-empty dataset")
+    return table
+
+
+def _turns_from_row(row: dict, spec: dict, where: str) -> list[dict]:
+    if spec.get("messages_column"):
+        col = spec["messages_column"]
+        if col not in row:
+            raise UserError(f"{where}: no column {col!r} (has {sorted(row)}); set `messages_column` to the chat column")
+        turns = row[col]
+        if not isinstance(turns, (list, tuple)) or not all(
+            isinstance(t, dict) and "role" in t and "content" in t for t in turns
+        ):
+            raise UserError(f"{where}: column {col!r} must be a list of {{role, content}} turns")
+        turns = [{"role": str(t["role"]), "content": str(t["content"])} for t in turns]
+    else:
+        col = spec.get("prompt_column") or "prompt"
+        if col not in row:
+            raise UserError(
+                f"{where}: no column {col!r} (has {sorted(row)}); set `prompt_column` or `messages_column`"
+            )
+        turns = [{"role": "user", "content": str(row[col])}]
+        resp = spec.get("response_column")
+        if resp:
+            if resp not in row:
+                raise UserError(f"{where}: no column {resp!r} (has {sorted(row)}); fix `response_column`")
+            turns.append({"role": "assistant", "content": str(row[resp])})
+    if spec.get("system_prompt") and not any(t["role"] == "system" for t in turns):
+        turns = [{"role": "system", "content": spec["system_prompt"]}] + turns
+    return turns
+
+
+def split_prompt(turns: list[dict], where: str) -> tuple[list[dict], str | None]:
+    """Split a chat into (prompt up to the last user turn, last assistant reply or None)."""
+    last_user = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=None)
+    if last_user is None:
+        raise UserError(f"{where}: the conversation has no user turn; every row needs one")
+    tail = turns[last_user + 1 :]
+    reference = next((t["content"] for t in tail if t["role"] == "assistant"), None)
+    return turns[: last_user + 1], reference
+
+
+def normalize(table, spec: dict, name: str) -> pd.DataFrame:
+    """Turn raw rows into the normal form (id, prompt, reference)."""
+    source = spec.get("path") or spec.get("hf")
+    id_col = spec.get("id_column")
+    limit = spec.get("limit")
+    rows = []
+    for i, row in enumerate(table):
+        if limit is not None and len(rows) >= limit:
+            break
+        where = f"{source} row {i} (dataset {name})"
+        prompt, reference = split_prompt(_turns_from_row(row, spec, where), where)
+        if id_col and id_col not in row:
+            raise UserError(f"{where}: no id column {id_col!r}; fix `id_column` or remove it")
+        rid = str(row[id_col]) if id_col else (str(row["id"]) if "id" in row and row["id"] is not None else f"{name}-{i}")
+        rows.append({"id": rid, "prompt": prompt, "reference": reference})
+    df = pd.DataFrame(rows, columns=["id", "prompt", "reference"])
+    if df["id"].duplicated().any():
+        dup = df.loc[df["id"].duplicated(), "id"].iloc[0]
+        raise UserError(f"{source} (dataset {name}): id {dup!r} occurs twice; ids must be unique (set `id_column`)")
+    return df
+
+
+def prepare_prompts(spec: dict, name: str, out_path: str, repo_root: str = ".") -> pd.DataFrame:
+    """Load, normalise and write one dataset's prompts as parquet (atomically)."""
+    from dflashpipe.atomic import atomic_path
+
+    df = normalize(load_table(spec, name, repo_root), spec, name)
+    with atomic_path(out_path) as tmp:
+        df.to_parquet(tmp, index=False)
+    return df
+
+
+def read_prompts(path: str) -> pd.DataFrame:
+    df = pd.read_parquet(path)
+    df["prompt"] = df["prompt"].map(lambda turns: [dict(t) for t in turns])
+    return df

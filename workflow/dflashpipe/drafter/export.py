@@ -1,0 +1,220 @@
+"""Save/load a drafter in the published DFlash checkpoint layout.
+
+Directory:
+
+* ``config.json``: a Qwen3 config (``model_type: qwen3``,
+  ``architectures: ["DFlashDraftModel"]``, shapes, ``num_hidden_layers`` = drafter
+  layers) plus top-level ``block_size``, ``num_target_layers``, ``rope_theta``
+  (transformers 5 writes only ``rope_parameters``; older readers would silently
+  use theta 10000) and ``dflash_config: {mask_token_id, target_layer_ids}``.
+* ``model.safetensors``: exactly the keys of
+  :func:`dflashpipe.drafter.model.expected_state_shapes` (no ``model.`` prefix,
+  no embedding / LM head, no biases), floating point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from dflashpipe.atomic import atomic_path
+from dflashpipe.errors import UserError
+
+from .model import DFlashDrafter, DrafterConfig, default_target_layer_ids, expected_state_shapes
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def drafter_config_json(cfg: DrafterConfig, target_config=None, dtype: torch.dtype | None = None) -> dict:
+    """The config.json dict for ``cfg`` (see module docstring)."""
+    from transformers import Qwen3Config
+
+    extra = {}
+    if target_config is not None:
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            val = getattr(target_config, key, None)
+            if val is not None:
+                extra[key] = val
+    qc = Qwen3Config(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        attention_bias=False,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        **extra,
+    )
+    d = qc.to_diff_dict()
+    d.update(
+        {
+            "model_type": "qwen3",
+            "architectures": ["DFlashDraftModel"],
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_hidden_layers,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim,
+            "rms_norm_eps": cfg.rms_norm_eps,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "rope_theta": float(cfg.rope_theta),
+            "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+            "block_size": cfg.block_size,
+            "num_target_layers": cfg.num_target_layers,
+            "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        }
+    )
+    if dtype is not None:
+        d["dtype"] = str(dtype).removeprefix("torch.")
+    d.pop("id2label", None)
+    d.pop("label2id", None)
+    return d
+
+
+def save_drafter(
+    model: DFlashDrafter,
+    cfg: DrafterConfig,
+    out_dir: str | os.PathLike,
+    target_config=None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write the checkpoint directory atomically; returns its path.
+
+    ``dtype`` casts the saved weights (e.g. ``torch.bfloat16``); default: as in
+    the model. ``target_config`` (optional) supplies bos/eos/pad ids and is
+    checked against ``cfg``.
+    """
+    if target_config is not None:
+        th = getattr(target_config, "hidden_size", cfg.hidden_size)
+        tl = getattr(target_config, "num_hidden_layers", cfg.num_target_layers)
+        if th != cfg.hidden_size or tl != cfg.num_target_layers:
+            raise UserError(
+                f"save_drafter: drafter (hidden {cfg.hidden_size}, {cfg.num_target_layers} target layers) does not "
+                f"match the target config (hidden {th}, {tl} layers)"
+            )
+    expected = expected_state_shapes(cfg)
+    state = {}
+    for name, t in model.state_dict().items():
+        if name not in expected:
+            raise ValueError(f"save_drafter: unexpected parameter {name!r} in the model")
+        t = t.detach().to("cpu")
+        if dtype is not None:
+            t = t.to(dtype)
+        if not t.is_floating_point():
+            raise ValueError(f"save_drafter: parameter {name!r} is not floating point ({t.dtype})")
+        state[name] = t.contiguous()
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ValueError(f"save_drafter: model lacks {missing[:3]}")
+    saved_dtype = dtype or next(iter(state.values())).dtype
+    config = drafter_config_json(cfg, target_config, saved_dtype)
+    out_dir = Path(out_dir)
+    with atomic_path(out_dir, is_dir=True) as tmp:
+        (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    return out_dir
+
+
+def _cfg_from_json(d: dict, where: Path) -> DrafterConfig:
+    def need(key):
+        if key not in d:
+            raise UserError(f"{where}: missing key '{key}'")
+        return d[key]
+
+    dflash = d.get("dflash_config") or {}
+    theta = d.get("rope_theta")
+    if theta is None and isinstance(d.get("rope_parameters"), dict):
+        theta = d["rope_parameters"].get("rope_theta")
+    if theta is None:
+        raise UserError(f"{where}: missing key 'rope_theta' (top level or rope_parameters)")
+    mask_token_id = dflash.get("mask_token_id", d.get("mask_token_id"))
+    if mask_token_id is None:
+        raise UserError(f"{where}: missing key 'dflash_config.mask_token_id'")
+    num_layers = int(need("num_hidden_layers"))
+    num_target_layers = int(need("num_target_layers"))
+    ids = dflash.get("target_layer_ids", d.get("target_layer_ids"))
+    if ids is None:
+        ids = default_target_layer_ids(num_target_layers, num_layers)
+    heads = int(need("num_attention_heads"))
+    hidden = int(need("hidden_size"))
+    return DrafterConfig(
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+        head_dim=int(d.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        vocab_size=int(need("vocab_size")),
+        max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+        block_size=int(need("block_size")),
+        mask_token_id=int(mask_token_id),
+        target_layer_ids=list(ids),
+        num_target_layers=num_target_layers,
+    )
+
+
+def load_drafter(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> tuple[DFlashDrafter, DrafterConfig]:
+    """Load a checkpoint directory written by :func:`save_drafter` (or a published DFlash drafter).
+
+    Returns (model in eval mode, cfg). Bad input raises a one-line :class:`UserError`
+    naming the file and key.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"drafter checkpoint {path}: directory not found")
+    cfg_file, w_file = path / CONFIG_NAME, path / WEIGHTS_NAME
+    if not cfg_file.is_file():
+        raise UserError(f"{cfg_file}: file not found")
+    try:
+        d = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{cfg_file}: not valid JSON ({err})") from None
+    if not isinstance(d, dict):
+        raise UserError(f"{cfg_file}: expected a JSON object")
+    cfg = _cfg_from_json(d, cfg_file)
+    if not w_file.is_file():
+        raise UserError(f"{w_file}: file not found")
+    try:
+        state = load_file(str(w_file))
+    except (SafetensorError, OSError) as err:
+        raise UserError(f"{w_file}: cannot read safetensors ({err})") from None
+    expected = expected_state_shapes(cfg)
+    missing = [k for k in expected if k not in state]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UserError(f"{w_file}: missing key '{missing[0]}'{more}")
+    unexpected = sorted(k for k in state if k not in expected)
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise UserError(f"{w_file}: unexpected key '{unexpected[0]}'{more}; not a DFlash drafter of this layout")
+    for k, shape in expected.items():
+        if tuple(state[k].shape) != shape:
+            raise UserError(
+                f"{w_file}: key '{k}' has shape {list(state[k].shape)}, expected {list(shape)} from {CONFIG_NAME}"
+            )
+        if not state[k].is_floating_point():
+            raise UserError(f"{w_file}: key '{k}' has dtype {state[k].dtype}, expected floating point")
+    model = DFlashDrafter(cfg)
+    model.load_state_dict(state, strict=True)
+    model.to(device=device, dtype=dtype if dtype is not None else next(iter(state.values())).dtype)
+    model.eval()
+    return model, cfg

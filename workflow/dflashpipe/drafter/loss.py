@@ -1,0 +1,95 @@
+"""Decay-weighted cross-entropy through the target's LM head, chunked.
+
+The [B*Q, V] logits (Q = N*bs, e.g. 8192 x 151k for Qwen3) never exist at once:
+the LM head + CE run over chunks of rows, and so does the backward.
+
+Approach: a custom ``autograd.Function`` that, in its forward, computes per
+chunk the logits, the loss and (when a gradient is needed) the gradient of the
+loss w.r.t. the hidden rows (and the LM head weight, only if it requires grad),
+then drops the chunk's logits. The backward only scales the stored gradients by
+the incoming scalar. This is the "fused linear cross-entropy" trick: one LM head
+matmul forward plus one for the gradient, no recompute, peak memory one chunk of
+logits. Positions with zero weight are dropped before the LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """(h [M, H], W [V, H], labels [M], w [M] float, chunk) -> (sum_i w_i*CE_i, sum_i w_i*[argmax_i == label_i])."""
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, w, chunk_size):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        loss_sum = torch.zeros((), dtype=torch.float32, device=h.device)
+        correct = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for s in range(0, h.shape[0], chunk_size):
+            hc = h[s : s + chunk_size].to(weight.dtype)  # the LM head runs in its own dtype
+            yc, wc = labels[s : s + chunk_size], w[s : s + chunk_size].float()
+            logits = (hc @ weight.t()).float()  # [c, V]
+            lse = torch.logsumexp(logits, dim=-1)
+            tgt = logits.gather(1, yc[:, None])[:, 0]
+            loss_sum += ((lse - tgt) * wc).sum()
+            correct += ((logits.argmax(dim=-1) == yc).float() * wc).sum()
+            if need_h or need_w:
+                # d(sum w*CE)/d logits = w * (softmax - onehot)
+                g = torch.softmax(logits, dim=-1)
+                g[torch.arange(g.shape[0], device=g.device), yc] -= 1.0
+                g *= wc[:, None]
+                if need_h:
+                    grad_h[s : s + chunk_size] = (g.to(weight.dtype) @ weight).to(h.dtype)
+                if need_w:
+                    grad_w += g.t() @ hc.float()
+                del g
+            del logits
+        ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
+        ctx.has = (need_h, need_w)
+        ctx.w_dtype = weight.dtype
+        ctx.mark_non_differentiable(correct)
+        return loss_sum, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_correct):
+        saved = list(ctx.saved_tensors)
+        need_h, need_w = ctx.has
+        gh = gw = None
+        if need_h:
+            grad_h = saved.pop(0)
+            gh = grad_h * grad_loss.to(grad_h.dtype)
+        if need_w:
+            gw = (saved.pop(0) * grad_loss).to(ctx.w_dtype)
+        return gh, gw, None, None, None
+
+
+def decayed_ce(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted-mean CE and weighted top-1 accuracy of the drafter's predictions.
+
+    hidden [B, Q, H] (final-normed drafter output), lm_head_weight [V, H] (the
+    target's, usually frozen), labels [B, Q] long, weights [B, Q] float.
+    Returns (loss, acc), both 0-dim float32 tensors; loss carries the gradient.
+    Rows with weight 0 are skipped; if every weight is 0 both are 0 (and the
+    loss stays connected to ``hidden`` so backward still works). Skipping uses a
+    data-dependent ``nonzero`` (one host sync): call this outside any
+    ``torch.compile``d region. Logits and CE are computed in fp32.
+    """
+    H = hidden.shape[-1]
+    h = hidden.reshape(-1, H)
+    y = labels.reshape(-1)
+    w = weights.reshape(-1).float()
+    idx = (w > 0).nonzero(as_tuple=True)[0]
+    total = w.sum()
+    if idx.numel() == 0:
+        zero = (hidden.sum() * 0.0).float()
+        return zero, zero.detach()
+    loss_sum, correct = _ChunkedLinearCE.apply(h[idx], lm_head_weight, y[idx], w[idx], int(chunk_size))
+    return loss_sum / total, correct / total

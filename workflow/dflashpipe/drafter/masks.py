@@ -1,0 +1,185 @@
+"""Anchors, the DFlash attention mask, block inputs, labels and loss weights.
+
+Layout of one training sequence (length S) with N blocks of size bs:
+
+* queries: the N*bs block tokens, block b = [anchor token a_b, MASK x (bs-1)]
+* keys:    [context 0..S-1 ; blocks S..S+N*bs-1]
+* block position k of block b predicts token a_b + k (k = 1..bs-1 are trained)
+
+ONE mask function, :func:`dflash_mask_mod`, defines visibility; it is evaluated
+on index grids for the dense SDPA mask (:func:`dense_mask`, CPU training) and by
+``create_block_mask`` for flex_attention (:func:`block_mask`, GPU training), so
+the two can never disagree.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask
+
+_KNOWN_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """Decay constant of the loss weights exp(-(k-1)/gamma).
+
+    7 for bs 16, 5 for bs 10, 4 for bs 8 (paper). Other sizes: piecewise-linear
+    through those points, (8, 4) - (10, 5) - (16, 7), extended linearly at the
+    ends, never below 1 (bs 4 -> 2, bs 12 -> 5.67, bs 32 -> 12.33).
+    """
+    bs = int(block_size)
+    if bs in _KNOWN_GAMMA:
+        return _KNOWN_GAMMA[bs]
+    if bs < 10:
+        g = 4.0 + (bs - 8) * 0.5
+    else:
+        g = 5.0 + (bs - 10) / 3.0
+    return max(1.0, g)
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    block_size: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """N random anchors per sequence among response tokens.
+
+    loss_mask [B, S] bool (True on assistant tokens) -> anchors [B, N] long,
+    keep [B, N] bool.
+
+    A position ``a`` is a valid anchor iff ``loss_mask[a]`` (the anchor is a
+    response token, as in the public DFlash trainer and as at inference, where
+    the anchor is always a token the target already produced) AND
+    ``a + 1 < S`` and ``loss_mask[a+1]`` (its block has at least one supervised
+    label). The block is NOT required to fit before the end of the sequence:
+    labels past the end get weight 0 (:func:`build_block_inputs`).
+    ``block_size`` is accepted for symmetry with the other functions; the rule
+    above does not need it.
+
+    Sampled without replacement (uniformly), sorted ascending; when fewer than N
+    valid positions exist the tail is padded with anchor 0 and keep=False.
+    """
+    del block_size  # see docstring
+    B, S = loss_mask.shape
+    N = int(num_anchors)
+    device = loss_mask.device
+    lm = loss_mask.bool()
+    valid = torch.zeros(B, S, dtype=torch.bool, device=device)
+    if S >= 2:
+        valid[:, :-1] = lm[:, :-1] & lm[:, 1:]
+    keys = torch.rand(B, S, generator=generator, device=device)
+    keys = keys.masked_fill(~valid, 2.0)  # invalid positions sort last
+    take = min(N, S)
+    picked_keys, picked = keys.topk(take, dim=1, largest=False)  # [B, take]
+    picked_ok = picked_keys < 2.0
+    # Sort the picked positions, padding (invalid) at the end.
+    order_key = torch.where(picked_ok, picked, torch.full_like(picked, S + 1))
+    order_key, _ = order_key.sort(dim=1)
+    keep = order_key <= S
+    anchors = torch.where(keep, order_key, torch.zeros_like(order_key))
+    if take < N:
+        pad = N - take
+        anchors = torch.cat([anchors, anchors.new_zeros(B, pad)], dim=1)
+        keep = torch.cat([keep, keep.new_zeros(B, pad)], dim=1)
+    return anchors.long(), keep
+
+
+def dflash_mask_mod(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, block_size: int):
+    """The mask_mod(b, h, q_idx, kv_idx) -> bool of DFlash training attention.
+
+    anchors, keep: [B, N]. Keys are [context 0..S-1 ; blocks S..S+N*bs-1].
+    Query q_idx is in block bq = q_idx // bs, clamped to N-1 before indexing
+    (create_block_mask pads Q_LEN up to a multiple of 128; queries past N*bs see
+    nothing). Visible:
+
+    * context key j < S  iff  j < anchors[b, bq]  (STRICT: the target's feature at
+      the anchor itself does not exist yet at inference) and keep[b, bq];
+    * block key  iff  it is in the same block (bidirectional) and keep[b, bq].
+
+    Padded blocks (keep=False) see nothing.
+    """
+    N = anchors.shape[1]
+    S, bs = int(seq_len), int(block_size)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        bq = torch.clamp(q_idx // bs, max=N - 1)
+        live = (q_idx < N * bs) & keep[b, bq]
+        is_ctx = kv_idx < S
+        ctx_ok = is_ctx & (kv_idx < anchors[b, bq])
+        blk_ok = (~is_ctx) & ((kv_idx - S) // bs == bq)
+        return live & (ctx_ok | blk_ok)
+
+    return mask_mod
+
+
+def dense_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """bool [B, 1, N*bs, S+N*bs] (True = visible), by evaluating :func:`dflash_mask_mod` on index grids."""
+    B, N = anchors.shape
+    Q, K = N * block_size, seq_len + N * block_size
+    dev = anchors.device
+    mod = dflash_mask_mod(anchors, keep, seq_len, block_size)
+    b = torch.arange(B, device=dev).view(B, 1, 1, 1)
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
+    q = torch.arange(Q, device=dev).view(1, 1, Q, 1)
+    kv = torch.arange(K, device=dev).view(1, 1, 1, K)
+    return mod(b, h, q, kv).expand(B, 1, Q, K)
+
+
+def block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, block_size: int, device=None, **kwargs):
+    """flex_attention ``BlockMask`` for (Q=N*bs, KV=S+N*bs) from the same :func:`dflash_mask_mod`.
+
+    Extra kwargs (e.g. ``BLOCK_SIZE``) go to ``create_block_mask``.
+    """
+    B, N = anchors.shape
+    device = anchors.device if device is None else device
+    mod = dflash_mask_mod(anchors, keep, seq_len, block_size)
+    return create_block_mask(mod, B, None, N * block_size, seq_len + N * block_size, device=device, **kwargs)
+
+
+def block_position_ids(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """[B, S+N*bs]: arange(S) for the context, then a_b + arange(bs) for each block."""
+    B, N = anchors.shape
+    dev = anchors.device
+    ctx = torch.arange(seq_len, device=dev).expand(B, seq_len)
+    blk = (anchors[:, :, None] + torch.arange(block_size, device=dev)).reshape(B, N * block_size)
+    return torch.cat([ctx, blk], dim=1)
+
+
+def build_block_inputs(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    keep: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+    gamma: float | None = None,
+):
+    """Block tokens, labels and loss weights.
+
+    input_ids [B, S] long, loss_mask [B, S] bool, anchors/keep [B, N] ->
+    block_ids [B, N*bs] (anchor token, then MASK x (bs-1)),
+    labels [B, N*bs] (block position k -> input_ids[a + k]; where a + k >= S the
+    label is a placeholder, the clamped last token, with weight 0),
+    weights [B, N*bs] float32: w_k = exp(-(k-1)/gamma) for k = 1..bs-1, 0 at k=0,
+    0 where a + k >= S or loss_mask[a + k] is False, 0 for padded blocks.
+    """
+    B, S = input_ids.shape
+    N = anchors.shape[1]
+    bs = int(block_size)
+    gamma = default_gamma(bs) if gamma is None else float(gamma)
+    dev = input_ids.device
+    k = torch.arange(bs, device=dev)
+    pos = anchors[:, :, None] + k  # [B, N, bs]
+    inside = pos < S
+    pos_c = pos.clamp(max=S - 1).reshape(B, N * bs)
+    labels = input_ids.gather(1, pos_c)
+    label_in_mask = loss_mask.bool().gather(1, pos_c).view(B, N, bs)
+
+    block_ids = torch.full((B, N, bs), int(mask_token_id), dtype=input_ids.dtype, device=dev)
+    block_ids[:, :, 0] = input_ids.gather(1, anchors)
+    decay = torch.exp(-(k.float() - 1.0) / gamma)
+    decay[0] = 0.0
+    ok = inside & label_in_mask & keep[:, :, None]
+    weights = torch.where(ok, decay.expand(B, N, bs), torch.zeros((), device=dev))
+    return block_ids.view(B, N * bs), labels, weights.view(B, N * bs)

@@ -1,0 +1,155 @@
+"""Tokenization: chat template of the target, loss mask on the assistant reply only.
+
+The loss mask covers the tokens of the final assistant turn (the one the target
+regenerated), including its end-of-turn token, and nothing of the prompt. It is
+found without template-specific markers: the tokens of the prompt rendered with
+``add_generation_prompt=True`` are a prefix of the whole chat's tokens; what
+follows the longest common prefix is the reply. This works for any chat
+template, including ones that insert extra tokens (Qwen3's empty think block).
+
+Samples are truncated to ``max_length``; those left with fewer than
+``2 * block_size`` loss tokens cannot give a drafter a full block to learn
+from and are dropped (and counted, by reason). Each kept sample records the
+smallest length bucket it fits, so training can pad to a few fixed shapes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from pathlib import Path
+
+import pandas as pd
+
+from dflashpipe.atomic import atomic_path, write_json
+from dflashpipe.errors import UserError
+
+
+def _ids(tokenizer, messages, add_generation_prompt, kwargs) -> list[int]:
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt, **kwargs
+    )
+    return list(out["input_ids"])
+
+
+def encode_chat(tokenizer, messages: list[dict], max_length: int, chat_template_kwargs: dict | None = None):
+    """Return (input_ids, loss_mask, untruncated_length) for a chat ending in the assistant reply."""
+    kwargs = chat_template_kwargs or {}
+    if not messages or messages[-1]["role"] != "assistant":
+        raise ValueError("the last turn must be the assistant reply")
+    prompt = _ids(tokenizer, messages[:-1], True, kwargs)
+    full = _ids(tokenizer, messages, False, kwargs)
+    common = 0
+    for a, b in zip(prompt, full):
+        if a != b:
+            break
+        common += 1
+    ids = full[:max_length]
+    mask = [0] * min(common, len(ids)) + [1] * max(0, len(ids) - common)
+    return ids, mask, len(full)
+
+
+def bucket_for(length: int, buckets: list[int]) -> int:
+    """The smallest bucket length >= length (buckets are sorted ascending)."""
+    return buckets[bisect.bisect_left(buckets, length)]
+
+
+def tokenize_expanded(
+    expanded_paths: dict[str, str],
+    target_path: str,
+    block_size: int,
+    buckets: list[int],
+    out_dir: str,
+    stats_path: str,
+    chat_template_kwargs: dict | None = None,
+    log=print,
+) -> dict:
+    """Tokenize every expanded dataset into ONE ``datasets`` dataset on disk, plus a stats JSON."""
+    import datasets
+    from tqdm import tqdm
+
+    from dflashpipe.target import load_tokenizer
+
+    buckets = sorted(buckets)
+    max_length = buckets[-1]
+    tokenizer = load_tokenizer(target_path)
+    min_loss_tokens = 2 * block_size
+    records, dropped, truncated = [], Counter(), 0
+    per_dataset = {}
+    for name, path in expanded_paths.items():
+        df = pd.read_parquet(path)
+        kept_before = len(records)
+        for row in tqdm(df.itertuples(index=False), total=len(df), desc=f"tokenize {name}", mininterval=5):
+            messages = [dict(t) for t in row.messages]
+            if not messages[-1]["content"].strip():
+                dropped["empty_response"] += 1
+                continue
+            ids, mask, full_len = encode_chat(tokenizer, messages, max_length, chat_template_kwargs)
+            truncated += full_len > max_length
+            n_loss = sum(mask)
+            if n_loss == 0 and len(ids) == max_length:
+                dropped["prompt_fills_max_length"] += 1
+                continue
+            if n_loss < min_loss_tokens:
+                dropped[f"fewer_than_{min_loss_tokens}_loss_tokens"] += 1
+                continue
+            records.append(
+                {
+                    "dataset": name,
+                    "id": str(row.id),
+                    "sample": int(getattr(row, "sample", 0)),
+                    "input_ids": ids,
+                    "loss_mask": mask,
+                    "length": len(ids),
+                    "num_loss_tokens": n_loss,
+                    "bucket": bucket_for(len(ids), buckets),
+                }
+            )
+        per_dataset[name] = {"rows": len(df), "kept": len(records) - kept_before}
+    if not records:
+        raise UserError(
+            f"tokenize: no sample left after filtering ({dict(dropped)}); every reply needs >= {min_loss_tokens} "
+            f"tokens (2 x drafter.block_size) within tokenize.buckets' largest length {max_length}: "
+            "raise expand.max_new_tokens or the largest bucket, or lower drafter.block_size"
+        )
+    features = datasets.Features(
+        {
+            "dataset": datasets.Value("string"),
+            "id": datasets.Value("string"),
+            "sample": datasets.Value("int32"),
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "loss_mask": datasets.Sequence(datasets.Value("int8")),
+            "length": datasets.Value("int32"),
+            "num_loss_tokens": datasets.Value("int32"),
+            "bucket": datasets.Value("int32"),
+        }
+    )
+    ds = datasets.Dataset.from_list(records, features=features)
+    with atomic_path(out_dir, is_dir=True) as tmp:
+        ds.save_to_disk(str(tmp))
+    lengths = [r["length"] for r in records]
+    stats = {
+        "samples": len(records),
+        "tokens": int(sum(lengths)),
+        "loss_tokens": int(sum(r["num_loss_tokens"] for r in records)),
+        "dropped": dict(dropped),
+        "dropped_total": int(sum(dropped.values())),
+        "truncated": int(truncated),
+        "min_loss_tokens": min_loss_tokens,
+        "max_length": max_length,
+        "buckets": {str(b): sum(r["bucket"] == b for r in records) for b in buckets},
+        "per_dataset": per_dataset,
+        "mean_length": sum(lengths) / len(lengths),
+        "target_path": str(target_path),
+    }
+    write_json(stats_path, stats)
+    log(f"tokenized: {stats['samples']} samples, {stats['tokens']} tokens, {stats['loss_tokens']} loss tokens, dropped {dict(dropped)}")
+    return stats
+
+
+def load_tokenized(path: str):
+    import datasets
+
+    if not Path(path).exists():
+        raise UserError(f"{path}: tokenized dataset missing; run the tokenize stage first")
+    return datasets.load_from_disk(path)

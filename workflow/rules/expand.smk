@@ -1,0 +1,33 @@
+rule expand_shard:
+    """The target regenerates the replies of one shard of a training dataset (resumable)."""
+    input:
+        prompts=prompts_file("{dataset}"),
+        target=target_dir(),
+        code=lib_code("expand"),
+    output:
+        f"{R}/expanded/{{dataset}}/shard{{shard}}.parquet",
+    params:
+        settings=config["expand"],
+        n_shards=config["expand"]["shards"],
+    threads: config["expand"]["threads"]
+    resources:
+        gpu=1,
+    log:
+        f"{R}/logs/expand/{{dataset}}.shard{{shard}}.log",
+    wildcard_constraints:
+        shard=r"\d+",
+    script:
+        "../scripts/expand.py"
+
+
+rule merge_expanded:
+    """One parquet per dataset from its expansion shards."""
+    input:
+        shards=expanded_shards,
+        code=lib_code("expand"),
+    output:
+        f"{R}/expanded/{{dataset}}.parquet",
+    log:
+        f"{R}/logs/expand/{{dataset}}.merge.log",
+    script:
+        "../scripts/merge_expanded.py"

@@ -1,0 +1,15 @@
+rule prompts:
+    """Load one configured dataset (local file or HF name) into the normal prompt table."""
+    input:
+        data=dataset_file,
+        code=lib_code("data"),
+    output:
+        prompts_file("{dataset}"),
+    params:
+        spec=dataset_spec,
+    log:
+        f"{R}/logs/prompts/{{dataset}}.log",
+    wildcard_constraints:
+        dataset="[A-Za-z0-9_.-]+",
+    script:
+        "../scripts/prompts.py"

@@ -1,0 +1,18 @@
+rule tokenize:
+    """Chat template + assistant-only loss mask + length filter -> one datasets dataset."""
+    input:
+        expanded=expand(f"{R}/expanded/{{name}}.parquet", name=datasets_for("train")),
+        target=target_dir(),
+        code=lib_code("tokenize"),
+    output:
+        data=directory(f"{R}/tokenized/train"),
+        stats=f"{R}/tokenized/stats.json",
+    params:
+        names=datasets_for("train"),
+        block_size=config["drafter"]["block_size"],
+        buckets=config["tokenize"]["buckets"],
+        chat_template_kwargs=config["expand"]["chat_template_kwargs"],
+    log:
+        f"{R}/logs/tokenize/tokenize.log",
+    script:
+        "../scripts/tokenize.py"

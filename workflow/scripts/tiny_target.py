@@ -1,0 +1,25 @@
+from dflashpipe.data import read_prompts
+from dflashpipe.errors import UserError
+from dflashpipe.runtime import job
+from dflashpipe.tiny_target import TinyTargetConfig, train_tiny_target
+
+
+def chats(path):
+    df = read_prompts(path)
+    df = df[df["reference"].notna()]
+    if df.empty:
+        raise UserError(f"{path}: no row has an assistant reply; the tiny target needs reference chats to learn from")
+    return [list(p) + [{"role": "assistant", "content": r}] for p, r in zip(df["prompt"], df["reference"])]
+
+
+with job(snakemake.log[0], threads=snakemake.threads, name="tiny_target") as log:
+    params = dict(snakemake.params.cfg)
+    for key in ("threads", "train_datasets", "heldout_dataset"):
+        params.pop(key)
+    cfg = TinyTargetConfig(**params, seed=snakemake.params.seed)
+    train = [c for path in snakemake.input.train for c in chats(path)]
+    metrics = train_tiny_target(train, chats(snakemake.input.heldout), cfg, snakemake.output.model, snakemake.output.metrics, log=log)
+    log(
+        f"held-out loss {metrics['heldout_loss']:.3f}, {metrics['tokens_per_second']:.0f} tok/s, "
+        f"{metrics['train_minutes']:.1f} min, format ok {metrics['format_ok']:.0%}"
+    )

@@ -1,0 +1,14 @@
+from dflashpipe.runtime import job
+from dflashpipe.tokenize import tokenize_expanded
+
+with job(snakemake.log[0], threads=snakemake.threads, name="tokenize") as log:
+    tokenize_expanded(
+        dict(zip(snakemake.params.names, snakemake.input.expanded)),
+        snakemake.input.target,
+        snakemake.params.block_size,
+        snakemake.params.buckets,
+        snakemake.output.data,
+        snakemake.output.stats,
+        chat_template_kwargs=snakemake.params.chat_template_kwargs,
+        log=log,
+    )
