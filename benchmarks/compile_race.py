@@ -12,6 +12,8 @@ What it shows
 
       threads  T threads call the compiled attention cold, released together by a barrier
       serial   one warm-up call in the main thread first, then the same T threads
+      eager    (control, not run by default) the threads call flex_attention UNcompiled:
+               shows that the dense-fallback counters fire
 
     Per run it counts: exceptions (by type and message), hangs (a run that outlives
     --timeout is killed; its Python stacks are dumped first via
@@ -27,8 +29,12 @@ How to run
     python benchmarks/compile_race.py --device cpu --repeats 1   # quick check, forward only
 
     CPU: flex_attention has no backward there, so only the forward is compiled, and the
-    defaults are tiny (each cold run still pays ~15 s of C++ compilation). torch 2.13 masks
-    the race (a global compile flag), so all-zero counts are expected there. GPU defaults:
+    defaults are tiny (each cold run still pays ~10-15 s of C++ compilation; the default
+    2 modes x 3 repeats take ~1.5 min). torch 2.13 masks the FX-flag race (a global compile
+    flag): expect 0 exceptions/dense calls/hangs there, but racing threads still leave
+    duplicate Dynamo graphs (3 graphs for one shape vs 1 after a serial warm-up).
+    ``--modes eager`` is a control run that calls flex_attention uncompiled, to show the
+    dense-fallback counters work. GPU defaults:
     S=3072, 512 anchors, block 16, 32 q heads, 8 kv heads, head dim 128, bf16, fwd+bwd.
 """
 
@@ -48,7 +54,8 @@ from pathlib import Path
 
 GPU_DEFAULTS = dict(seq_len=3072, anchors=512, block_size=16, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16")
 CPU_DEFAULTS = dict(seq_len=128, anchors=8, block_size=8, heads=4, kv_heads=2, head_dim=16, dtype="float32")
-MODES = ("threads", "serial")
+MODES = ("threads", "serial", "eager")
+DEFAULT_MODES = ("threads", "serial")
 
 
 # =========================================================================== worker (fresh subprocess)
@@ -182,7 +189,7 @@ def _worker(cfg_path: str) -> int:
     t0 = time.perf_counter()
     block_mask = create_block_mask(mask_mod, 1, None, q_len, kv_len, device=dev)
     log(f"block mask built in {time.perf_counter() - t0:.2f}s")
-    compiled = torch.compile(flex_attention)
+    compiled = flex_attention if cfg["mode"] == "eager" else torch.compile(flex_attention)
     backward = cfg["backward"]
 
     def one_call() -> None:
@@ -261,6 +268,8 @@ def _worker(cfg_path: str) -> int:
         "calls_ok": calls["ok"],
         "calls_failed": calls["failed"],
         "unique_graphs": ctr["stats.unique_graphs"],
+        # one shape is compiled, so every graph beyond the first is a duplicate made by racing compiles
+        "duplicate_graphs": max(0, ctr["stats.unique_graphs"] - 1) if cfg["mode"] != "eager" else None,
         "cache_entries": cache_entries,
         "recompile_limit": getattr(torch._dynamo.config, "recompile_limit", None),
         "counters": ctr,
@@ -347,7 +356,8 @@ def _summarise(runs: list[dict]) -> dict:
         out[mode] = {
             "runs": len(rs),
             "clean_runs": sum(r["status"] == "ok" and r["dense_fwd_calls"] + r["dense_bwd_calls"]
-                              + r["uncompiled_flex_calls"] + r["recompile_limit_hits"] == 0 for r in done),
+                              + r["uncompiled_flex_calls"] + r["recompile_limit_hits"]
+                              + (r["duplicate_graphs"] or 0) == 0 for r in done),
             "hangs": sum(r["status"] == "hang" for r in rs),
             "crashes": sum(r["status"] == "crash" for r in rs),
             "runs_with_errors": sum(r["status"] == "errors" for r in rs),
@@ -356,6 +366,7 @@ def _summarise(runs: list[dict]) -> dict:
             "dense_bwd_calls": sum(r["dense_bwd_calls"] for r in done),
             "uncompiled_flex_calls": sum(r["uncompiled_flex_calls"] for r in done),
             "recompile_limit_hits": sum(r["recompile_limit_hits"] for r in done),
+            "duplicate_graphs": sum(r["duplicate_graphs"] or 0 for r in done),
             "max_unique_graphs": max((r["unique_graphs"] for r in done), default=None),
             "max_cache_entries": max((r["cache_entries"] or 0 for r in done), default=None),
             "median_wall_s": round(statistics.median(r["wall_s"] for r in rs), 2),
@@ -388,7 +399,7 @@ def _print_table(runs: list[dict], summary: dict) -> None:
         print(f"{mode:8s} runs {s['runs']}: clean {s['clean_runs']}, hangs {s['hangs']}, crashes {s['crashes']}, "
               f"runs with exceptions {s['runs_with_errors']}, dense fwd/bwd calls "
               f"{s['dense_fwd_calls']}/{s['dense_bwd_calls']}, uncompiled flex calls {s['uncompiled_flex_calls']}, "
-              f"recompile-limit hits {s['recompile_limit_hits']}, median wall {s['median_wall_s']} s")
+              f"duplicate graphs {s['duplicate_graphs']}, recompile-limit hits {s['recompile_limit_hits']}, median wall {s['median_wall_s']} s")
         for msg, n in sorted(s["errors"].items(), key=lambda kv: -kv[1]):
             print(f"           {n} x {msg}")
     for r in runs:
@@ -403,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available")
-    p.add_argument("--modes", default=",".join(MODES), help="comma list of: threads, serial")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help="comma list of: threads, serial, eager (uncompiled control)")
     p.add_argument("--repeats", type=int, default=3, help="runs per mode (each a fresh process and cache)")
     p.add_argument("--threads", type=int, default=3, help="threads calling the compiled attention at once")
     p.add_argument("--calls", type=int, default=2, help="calls per thread (the first is the cold one)")
@@ -452,8 +464,14 @@ def main(argv: list[str] | None = None) -> int:
           f"kv_heads={cfg['kv_heads']} head_dim={cfg['head_dim']} {cfg['dtype']}; "
           f"q_len={cfg['anchors'] * cfg['block_size']} kv_len={cfg['seq_len'] + cfg['anchors'] * cfg['block_size']}")
     if not backward:
-        print("  note: forward only; the deadlock seen on torch 2.11 needs backward (autograd engine), and "
-              "torch 2.13 masks the FX-flag race, so zero counts are expected here")
+        print("  note: forward only; the deadlock seen on torch 2.11 needs backward (autograd engine)")
+    if tv.startswith("2.13."):
+        print("  note: torch 2.13 masks the FX-flag race (global compile flag), so exceptions, dense calls and hangs "
+              "are expected to be 0;\n        racing cold compiles may still add duplicate Dynamo graphs "
+              "(graphs > 1 for this single shape)")
+    print("  columns: dense f/b = real-tensor math_attention fwd/bwd calls; uncompiled = entries into uncompiled "
+          "flex_attention;\n           graphs = Dynamo graphs compiled (1 expected); entries = cache entries on "
+          "flex_attention's code")
     print(flush=True)
 
     stacks_dir = args.out.with_suffix("").parent / (args.out.stem + "_stacks") if args.out else None

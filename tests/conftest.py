@@ -58,7 +58,7 @@ def mini_config(results: str = "results") -> dict:
             "code": {"path": str(PROMPTS / "code_train.jsonl.gz"), "messages_column": "messages", "limit": 16},
             "math_heldout": {"path": str(PROMPTS / "math_heldout.jsonl.gz"), "messages_column": "messages", "use": "eval", "limit": 8},
         },
-        "expand": {"max_new_tokens": 40, "batch_size": 16, "chunk_size": 16, "threads": 1},
+        "expand": {"max_new_tokens": 40, "batch_size": 16, "chunk_size": 16, "threads": 1, "temperature": 1.0},
         "tokenize": {"buckets": [128, 256]},
         "drafter": {"block_size": 4},
     }
@@ -92,3 +92,20 @@ def micro_target(tmp_path_factory) -> Path:
     params = {k: v for k, v in MICRO_TINY.items() if k not in ("threads", "train_datasets", "heldout_dataset")}
     train_tiny_target(chats, held, TinyTargetConfig(**params), str(out / "model"), str(out / "metrics.json"), log=lambda m: None)
     return out / "model"
+
+
+def planned_rules(workdir: Path, *args: str) -> dict[str, int]:
+    """Rules (and job counts) a dry run would execute: {} when nothing is to be done."""
+    res = snakemake(workdir, "-n", "--quiet", "rules", *args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = (res.stdout + res.stderr).splitlines()
+    if "Job stats:" not in out:
+        return {}
+    rows = out[out.index("Job stats:") + 3 :]
+    jobs = {}
+    for line in rows:
+        name, count = line.split()
+        if name == "total":
+            break
+        jobs[name] = int(count)
+    return jobs

@@ -29,3 +29,11 @@ def test_closure_on_a_synthetic_package(tmp_path):
     (pkg / "unused.py").write_text("import os\n")
     got = {str(Path(f).relative_to(pkg)) for f in module_closure(pkg, ["a"])}
     assert got == {"__init__.py", "a.py", "sub/__init__.py", "sub/b.py", "c.py"}
+
+
+def test_script_closure_starts_from_the_scripts_imports():
+    from dflashpipe.codedeps import script_closure
+
+    got = names(script_closure(LIB, REPO / "workflow/scripts/tiny_target.py"))
+    assert {"tiny_target.py", "data.py", "runtime.py", "errors.py"} <= got
+    assert "expand.py" not in got

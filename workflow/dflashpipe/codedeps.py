@@ -26,7 +26,7 @@ def _module_file(package_dir: Path, module: str) -> Path | None:
     return None
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, package_dir: Path) -> set[str]:
     """Fully qualified dflashpipe modules imported anywhere in ``path``."""
     found = set()
     tree = ast.parse(path.read_text(), filename=str(path))
@@ -36,9 +36,18 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module.split(".")[0] == PACKAGE:
                 found.add(node.module)
-                # `from dflashpipe import x` may import the submodule x
-                found.update(f"{node.module}.{a.name}" for a in node.names)
+                # `from dflashpipe import x` imports the submodule x when there is one
+                for a in node.names:
+                    if _module_file(package_dir, f"{node.module}.{a.name}") is not None:
+                        found.add(f"{node.module}.{a.name}")
     return found
+
+
+def script_closure(package_dir: str | Path, script: str | Path) -> list[str]:
+    """Library source files a workflow script imports, transitively (the script itself excluded:
+    Snakemake already tracks it)."""
+    modules = sorted(_imports(Path(script), Path(package_dir)))
+    return module_closure(package_dir, modules) if modules else []
 
 
 def module_closure(package_dir: str | Path, modules: list[str]) -> list[str]:
@@ -62,5 +71,5 @@ def module_closure(package_dir: str | Path, modules: list[str]) -> list[str]:
                 continue
             if f not in seen:
                 seen.add(f)
-                todo.extend(_imports(f))
+                todo.extend(_imports(f, package_dir))
     return sorted(str(p) for p in seen)

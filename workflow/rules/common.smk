@@ -7,7 +7,7 @@ from pathlib import Path
 REPO = Path(workflow.basedir)
 sys.path.insert(0, str(REPO / "workflow"))
 
-from dflashpipe.codedeps import module_closure
+from dflashpipe.codedeps import script_closure
 from dflashpipe.config import validate_config
 from dflashpipe.errors import UserError
 from dflashpipe.target import check_target_dir
@@ -24,9 +24,9 @@ R = config["results"]
 LIB = REPO / "workflow" / "dflashpipe"
 
 
-def lib_code(*modules):
-    """Library source files a stage imports (transitively): edits to them rerun the stage."""
-    return module_closure(LIB, list(modules))
+def lib_code(script):
+    """Library source files the stage's script imports (transitively): edits to them rerun the stage."""
+    return script_closure(LIB, REPO / "workflow" / "scripts" / script)
 
 
 def repo_path(p):

@@ -3,7 +3,7 @@ rule expand_shard:
     input:
         prompts=prompts_file("{dataset}"),
         target=target_dir(),
-        code=lib_code("expand"),
+        code=lib_code("expand.py"),
     output:
         f"{R}/expanded/{{dataset}}/shard{{shard}}.parquet",
     params:
@@ -24,7 +24,7 @@ rule merge_expanded:
     """One parquet per dataset from its expansion shards."""
     input:
         shards=expanded_shards,
-        code=lib_code("expand"),
+        code=lib_code("merge_expanded.py"),
     output:
         f"{R}/expanded/{{dataset}}.parquet",
     log:

@@ -2,7 +2,7 @@ rule prompts:
     """Load one configured dataset (local file or HF name) into the normal prompt table."""
     input:
         data=dataset_file,
-        code=lib_code("data"),
+        code=lib_code("prompts.py"),
     output:
         prompts_file("{dataset}"),
     params:

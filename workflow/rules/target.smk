@@ -5,7 +5,7 @@ if config["target"]["path"] is None:
         input:
             train=[prompts_file(n) for n in config["target"]["tiny"]["train_datasets"]],
             heldout=prompts_file(config["target"]["tiny"]["heldout_dataset"]),
-            code=lib_code("tiny_target"),
+            code=lib_code("tiny_target.py"),
         output:
             model=directory(f"{R}/target/model"),
             metrics=f"{R}/target/metrics.json",

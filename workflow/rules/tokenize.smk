@@ -3,7 +3,7 @@ rule tokenize:
     input:
         expanded=expand(f"{R}/expanded/{{name}}.parquet", name=datasets_for("train")),
         target=target_dir(),
-        code=lib_code("tokenize"),
+        code=lib_code("tokenize.py"),
     output:
         data=directory(f"{R}/tokenized/train"),
         stats=f"{R}/tokenized/stats.json",

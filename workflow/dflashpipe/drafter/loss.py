@@ -71,6 +71,7 @@ def decayed_ce(
     labels: torch.Tensor,
     weights: torch.Tensor,
     chunk_size: int = 1024,
+    reduction: str = "mean",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted-mean CE and weighted top-1 accuracy of the drafter's predictions.
 
@@ -81,7 +82,13 @@ def decayed_ce(
     loss stays connected to ``hidden`` so backward still works). Skipping uses a
     data-dependent ``nonzero`` (one host sync): call this outside any
     ``torch.compile``d region. Logits and CE are computed in fp32.
+
+    ``reduction="sum"`` returns the weighted SUMS (sum w*CE, sum w*correct)
+    instead; data-parallel training divides them by the all-reduced weight sum
+    so the loss is normalised over the global batch.
     """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"decayed_ce: reduction must be 'mean' or 'sum', got {reduction!r}")
     H = hidden.shape[-1]
     h = hidden.reshape(-1, H)
     y = labels.reshape(-1)
@@ -92,4 +99,6 @@ def decayed_ce(
         zero = (hidden.sum() * 0.0).float()
         return zero, zero.detach()
     loss_sum, correct = _ChunkedLinearCE.apply(h[idx], lm_head_weight, y[idx], w[idx], int(chunk_size))
+    if reduction == "sum":
+        return loss_sum, correct
     return loss_sum / total, correct / total

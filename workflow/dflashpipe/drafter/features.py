@@ -1,0 +1,119 @@
+"""Context features: the target's hidden states that condition the drafter.
+
+``context_features(target, input_ids, attention_mask, layer_ids)`` returns
+``[B, S, len(layer_ids) * H]``: the concatenation, in ``layer_ids`` order, of
+Hugging Face ``hidden_states[id + 1]`` (the output of decoder layer ``id``).
+This is exactly what the published DFlash inference code feeds its drafters.
+
+One HF detail matters: ``hidden_states[L]`` (the LAST layer) is returned AFTER
+the final norm, all others before it. We reproduce that, so a feature of the
+last layer means the same thing on both paths.
+
+Two paths, identical results (a test checks it):
+
+* fast: for the standard HF decoder layout (``model.model.embed_tokens``,
+  ``.layers``, ``.norm``, ``.rotary_emb``) run the embedding and ONLY the layers
+  up to ``max(layer_ids)``; the remaining layers and the LM head (for Qwen3-8B a
+  [S, 151k] logits tensor per sequence) are skipped.
+* fallback: ``target(..., output_hidden_states=True)`` for any other model.
+
+For right-padded batches ``attention_mask`` may be None: in a causal LM a real
+token never attends to the padding after it, so real positions get the same
+features either way (and the cheaper is_causal attention path is used).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+_LAYOUT = ("embed_tokens", "layers", "norm", "rotary_emb")
+
+
+def has_standard_layout(target) -> bool:
+    """True if ``target.model`` has the HF decoder layout the fast path needs."""
+    inner = getattr(target, "model", None)
+    return inner is not None and all(hasattr(inner, a) for a in _LAYOUT)
+
+
+def _call_mask_fn(fn, config, embeds, attention_mask, position_ids):
+    """Call a transformers ``masking_utils`` mask builder across 5.x signature changes."""
+    params = inspect.signature(fn).parameters
+    kw = {"config": config, "attention_mask": attention_mask, "position_ids": position_ids}
+    kw["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = embeds
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            kw[name] = None
+    if "cache_position" in params:
+        kw["cache_position"] = torch.arange(embeds.shape[1], device=embeds.device)
+    return fn(**{k: v for k, v in kw.items() if k in params})
+
+
+def _layer_masks(inner, embeds, attention_mask, position_ids):
+    """{layer_type: mask} as the HF model builds it, or None if a layer type is unknown."""
+    from transformers import masking_utils
+
+    builders = {
+        "full_attention": masking_utils.create_causal_mask,
+        "sliding_attention": masking_utils.create_sliding_window_causal_mask,
+    }
+    cfg = inner.config
+    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(inner.layers))
+    if any(t not in builders for t in types):
+        return None, types
+    return {t: _call_mask_fn(builders[t], cfg, embeds, attention_mask, position_ids) for t in set(types)}, types
+
+
+@torch.no_grad()
+def _fast_features(target, input_ids, attention_mask, layer_ids):
+    inner = target.model
+    B, S = input_ids.shape
+    x = inner.embed_tokens(input_ids)
+    position_ids = torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S)
+    masks, types = _layer_masks(inner, x, attention_mask, position_ids)
+    if masks is None:
+        return None
+    position_embeddings = inner.rotary_emb(x, position_ids)
+    wanted, last_layer = set(layer_ids), len(inner.layers) - 1
+    out = {}
+    for i in range(max(layer_ids) + 1):
+        x = inner.layers[i](
+            x,
+            attention_mask=masks[types[i]],
+            position_ids=position_ids,
+            position_embeddings=position_embeddings,
+        )
+        if isinstance(x, tuple):  # older transformers return (hidden, ...)
+            x = x[0]
+        if i in wanted:
+            out[i] = inner.norm(x) if i == last_layer else x  # HF: hidden_states[L] is post-norm
+    return torch.cat([out[i] for i in layer_ids], dim=-1)
+
+
+@torch.no_grad()
+def _hf_features(target, input_ids, attention_mask, layer_ids):
+    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    hs = out.hidden_states
+    return torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
+
+
+@torch.no_grad()
+def context_features(target, input_ids, attention_mask, layer_ids, path: str = "auto") -> torch.Tensor:
+    """[B, S] token ids -> [B, S, len(layer_ids) * H] features (see module docstring).
+
+    ``path``: "auto" (fast when the layout allows, else HF), "fast" (error if
+    impossible) or "hf" (always ``output_hidden_states``).
+    """
+    layer_ids = [int(i) for i in layer_ids]
+    if not layer_ids:
+        raise ValueError("context_features: layer_ids is empty")
+    if path not in ("auto", "fast", "hf"):
+        raise ValueError(f"context_features: path must be auto, fast or hf, got {path!r}")
+    if path != "hf" and has_standard_layout(target):
+        feats = _fast_features(target, input_ids, attention_mask, layer_ids)
+        if feats is not None:
+            return feats
+    if path == "fast":
+        raise ValueError(f"context_features: {type(target).__name__} does not have the standard HF decoder layout")
+    return _hf_features(target, input_ids, attention_mask, layer_ids)
