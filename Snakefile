@@ -3,6 +3,8 @@
 #
 #   prompts -> expand (the target regenerates replies) -> tokenize
 #   target (a real checkpoint, or the tiny default trained here)
+#   warm_slot0 -> warm_slot1 -> ... (serial compile-warm, one per GPU slot; cache stamps)
+#     -> train_shard{0..K-1} (data-parallel ranks of one drafter run; need ALL stamps)
 #
 # Run: snakemake --cores 2            (CPU, embedded default)
 #      snakemake --cores 8 --resources gpu=3
@@ -20,6 +22,8 @@ include: "workflow/rules/prompts.smk"
 include: "workflow/rules/target.smk"
 include: "workflow/rules/expand.smk"
 include: "workflow/rules/tokenize.smk"
+include: "workflow/rules/warm.smk"
+include: "workflow/rules/train.smk"
 
 
 rule all:

@@ -60,7 +60,9 @@ def mini_config(results: str = "results") -> dict:
         },
         "expand": {"max_new_tokens": 40, "batch_size": 16, "chunk_size": 16, "threads": 1, "temperature": 1.0},
         "tokenize": {"buckets": [128, 256]},
-        "drafter": {"block_size": 4},
+        "gpu": {"slots": 2},
+        "drafter": {"block_size": 4, "num_layers": 1},
+        "train": {"shards": 2, "num_anchors": 8, "batch_size": 2, "max_steps": 4, "checkpoint_every": 2, "heldout_samples": 4, "dist_timeout_s": 120},
     }
 
 
@@ -109,3 +111,37 @@ def planned_rules(workdir: Path, *args: str) -> dict[str, int]:
             break
         jobs[name] = int(count)
     return jobs
+
+
+MICRO_BUCKETS = [200, 256]
+
+
+def build_tokenized(target_dir: Path, out_dir: Path, n_rows: int = 64, buckets=tuple(MICRO_BUCKETS), min_loss: int = 8) -> Path:
+    """A tokenized dataset in the format of ``dflashpipe.tokenize`` from the shipped math chats."""
+    import datasets
+
+    from dflashpipe.tokenize import bucket_for, encode_chat
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    buckets = sorted(buckets)
+    records = []
+    for r in read_jsonl_gz(PROMPTS / "math_train.jsonl.gz", n_rows):
+        ids, mask, _ = encode_chat(tok, r["messages"], buckets[-1])
+        if sum(mask) < min_loss:
+            continue
+        records.append({"dataset": "math", "id": str(r["id"]), "sample": 0, "input_ids": ids, "loss_mask": mask,
+                        "length": len(ids), "num_loss_tokens": sum(mask), "bucket": bucket_for(len(ids), buckets)})
+    features = datasets.Features({
+        "dataset": datasets.Value("string"), "id": datasets.Value("string"), "sample": datasets.Value("int32"),
+        "input_ids": datasets.Sequence(datasets.Value("int32")), "loss_mask": datasets.Sequence(datasets.Value("int8")),
+        "length": datasets.Value("int32"), "num_loss_tokens": datasets.Value("int32"), "bucket": datasets.Value("int32"),
+    })
+    datasets.Dataset.from_list(records, features=features).save_to_disk(str(out_dir))
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def micro_tokenized(micro_target, tmp_path_factory) -> Path:
+    """~60 math chats tokenized with the micro target's tokenizer (buckets 200/256, both used)."""
+    return build_tokenized(micro_target, tmp_path_factory.mktemp("tokenized") / "train")

@@ -37,3 +37,24 @@ def test_script_closure_starts_from_the_scripts_imports():
     got = names(script_closure(LIB, REPO / "workflow/scripts/tiny_target.py"))
     assert {"tiny_target.py", "data.py", "runtime.py", "errors.py"} <= got
     assert "expand.py" not in got
+
+
+def test_relative_imports_are_followed(tmp_path):
+    pkg = tmp_path / "dflashpipe"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from . import b\n")
+    (pkg / "sub" / "a.py").write_text("from .c import x\nfrom ..top import y\n")
+    (pkg / "sub" / "b.py").write_text("")
+    (pkg / "sub" / "c.py").write_text("x = 1\n")
+    (pkg / "top.py").write_text("y = 2\n")
+    got = {str(Path(f).relative_to(pkg)) for f in module_closure(pkg, ["sub.a"])}
+    assert got == {"__init__.py", "sub/__init__.py", "sub/a.py", "sub/b.py", "sub/c.py", "top.py"}
+
+
+def test_training_stage_sees_the_drafter_model_code():
+    from dflashpipe.codedeps import script_closure
+
+    got = names(script_closure(LIB, REPO / "workflow/scripts/train_shard.py"))
+    assert {"drafter/train.py", "drafter/model.py", "drafter/loss.py", "drafter/masks.py", "hotstart.py", "lease.py"} <= got
+    assert not any(n.startswith("evaluate/") for n in got)

@@ -49,7 +49,7 @@ def test_rerun_is_a_no_op(mini_run):
 
 
 def test_code_edit_reruns_exactly_its_stages(mini_run, tmp_path):
-    """Editing tokenize.py reruns tokenize only; editing data.py reruns prompts and what follows."""
+    """An edit to a library module reruns the stages whose scripts import it (transitively), and what follows."""
     work, cfg = mini_run
     lib = REPO / "workflow" / "dflashpipe"
 
@@ -62,9 +62,12 @@ def test_code_edit_reruns_exactly_its_stages(mini_run, tmp_path):
         finally:
             path.write_text(original)
 
-    assert planned("tokenize.py") == {"tokenize", "all"}
-    assert planned("tiny_target.py") == {"tiny_target", "expand_shard", "merge_expanded", "tokenize", "all"}
-    assert planned("data.py") == {"prompts", "tiny_target", "expand_shard", "merge_expanded", "tokenize", "all"}
+    training = {"warm_slot", "train_shard", "train_shard0"}
+    assert planned("drafter/loss.py") == training | {"all"}
+    assert planned("hotstart.py") == training | {"all"}
+    assert planned("tokenize.py") == {"tokenize", "all"} | training
+    assert planned("tiny_target.py") == {"tiny_target", "expand_shard", "merge_expanded", "tokenize", "all"} | training
+    assert planned("data.py") == {"prompts", "tiny_target", "expand_shard", "merge_expanded", "tokenize", "all"} | training
 
 
 def test_config_typo_is_one_line(mini_run):

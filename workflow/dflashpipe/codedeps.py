@@ -26,20 +26,42 @@ def _module_file(package_dir: Path, module: str) -> Path | None:
     return None
 
 
+def _module_name(path: Path, package_dir: Path) -> str | None:
+    """``dflashpipe.x.y`` for a file inside the package (None for a file outside, e.g. a script)."""
+    try:
+        rel = path.resolve().relative_to(package_dir.resolve()).with_suffix("")
+    except ValueError:
+        return None
+    parts = [p for p in rel.parts if p != "__init__"]
+    return ".".join([PACKAGE, *parts])
+
+
 def _imports(path: Path, package_dir: Path) -> set[str]:
-    """Fully qualified dflashpipe modules imported anywhere in ``path``."""
+    """Fully qualified dflashpipe modules imported anywhere in ``path`` (relative imports too)."""
     found = set()
+    this = _module_name(path, package_dir)
+    is_pkg = path.name == "__init__.py"
     tree = ast.parse(path.read_text(), filename=str(path))
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.split(".")[0] == PACKAGE)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module.split(".")[0] == PACKAGE:
-                found.add(node.module)
-                # `from dflashpipe import x` imports the submodule x when there is one
-                for a in node.names:
-                    if _module_file(package_dir, f"{node.module}.{a.name}") is not None:
-                        found.add(f"{node.module}.{a.name}")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                if this is None:
+                    continue
+                base = this.split(".")
+                base = base if is_pkg else base[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.split(".")[0] != PACKAGE:
+                continue
+            found.add(module)
+            # `from dflashpipe import x` imports the submodule x when there is one
+            for a in node.names:
+                if _module_file(package_dir, f"{module}.{a.name}") is not None:
+                    found.add(f"{module}.{a.name}")
     return found
 
 

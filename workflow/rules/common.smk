@@ -73,4 +73,72 @@ def all_outputs():
     if config["target"]["path"] is None:
         out.append(f"{R}/target/metrics.json")
     out += [f"{R}/tokenized/train", f"{R}/tokenized/stats.json"]
+    out += all_stamps()
+    out += [o for k in range(SHARDS) for o in shard_outputs(k)] + [f"{R}/drafter"]
     return out
+
+
+# ---------------------------------------------------------------------------
+# GPU slots, compile-warm chain and training shards
+# ---------------------------------------------------------------------------
+
+import importlib.metadata
+import uuid
+
+SLOTS = config["gpu"]["slots"]
+SHARDS = config["train"]["shards"]
+LOCK_DIR = config["gpu"]["lock_dir"] or f"{R}/locks"
+CACHE_ROOT = f"{R}/compile_cache"
+
+# One id per invocation of the workflow, inherited by its jobs (also through a
+# cluster executor's exported environment): the shards of one run meet in a
+# rendezvous file no earlier (possibly killed) run has used.
+os.environ.setdefault("DFLASH_RUN_ID", uuid.uuid4().hex[:12])
+
+
+def _refuse(msg):
+    raise SystemExit(f"ERROR: {msg}")
+
+
+if SHARDS > SLOTS:
+    _refuse(
+        f"train.shards is {SHARDS} but gpu.slots is {SLOTS}: every shard needs its own GPU slot; "
+        "raise gpu.slots or lower train.shards"
+    )
+_gpu_budget = workflow.global_resources.get("gpu")
+_gpu_budget = getattr(_gpu_budget, "value", _gpu_budget)
+if isinstance(_gpu_budget, int) and _gpu_budget < SHARDS:
+    _refuse(
+        f"train.shards is {SHARDS} but --resources gpu={_gpu_budget}: the {SHARDS} shards of one run must "
+        f"run at the same time; use --resources gpu={SHARDS} or more, or lower train.shards"
+    )
+
+
+def torch_version():
+    """Installed torch (without importing it): a new torch invalidates the compile caches."""
+    return importlib.metadata.version("torch")
+
+
+def warm_stamp(slot):
+    return f"{R}/warm/slot{slot}.json"
+
+
+def previous_stamp(wildcards):
+    """warm_slot{i} waits for warm_slot{i-1}: no two compiles ever overlap."""
+    slot = int(wildcards.slot)
+    return [warm_stamp(slot - 1)] if slot > 0 else []
+
+
+def all_stamps():
+    return [warm_stamp(i) for i in range(SLOTS)]
+
+
+def compile_settings():
+    """The config that decides compiled code (the warm jobs' params: other keys do not rerun them)."""
+    from dflashpipe.drafter.train import COMPILE_KEYS
+
+    return {"drafter": config["drafter"], "train": {k: config["train"][k] for k in COMPILE_KEYS}}
+
+
+def shard_outputs(shard):
+    return [f"{R}/train/shard{shard}.summary.json", f"{R}/train/shard{shard}.metrics.csv"]

@@ -9,6 +9,9 @@ rule expand_shard:
     params:
         settings=config["expand"],
         n_shards=config["expand"]["shards"],
+        slots=SLOTS,
+        lock_dir=LOCK_DIR,
+        lease_timeout_s=config["gpu"]["lease_timeout_s"],
     threads: config["expand"]["threads"]
     resources:
         gpu=1,

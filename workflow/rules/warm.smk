@@ -1,0 +1,28 @@
+rule warm_slot:
+    """Compile on GPU slot i alone, into its own cache, exactly what a shard runs; write a stamp."""
+    input:
+        previous=previous_stamp,
+        tokenized=f"{R}/tokenized/train",
+        target=target_dir(),
+        code=lib_code("warm.py"),
+    output:
+        warm_stamp("{slot}"),
+    params:
+        compile=compile_settings(),
+        seed=config["seed"],
+        torch=torch_version(),
+        slots=SLOTS,
+        lock_dir=LOCK_DIR,
+        cache_root=CACHE_ROOT,
+        lease_timeout_s=config["gpu"]["lease_timeout_s"],
+    threads: config["train"]["threads"]
+    resources:
+        gpu=1,
+    log:
+        f"{R}/logs/warm/slot{{slot}}.log",
+    benchmark:
+        f"{R}/benchmarks/warm_slot{{slot}}.tsv"
+    wildcard_constraints:
+        slot=r"\d+",
+    script:
+        "../scripts/warm.py"

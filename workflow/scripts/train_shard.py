@@ -1,0 +1,38 @@
+import hashlib
+import json
+import os
+
+from dflashpipe.drafter.train import TrainConfig, rendezvous_url, train_shard
+from dflashpipe.hotstart import hot_start, use_slot_cache
+from dflashpipe.lease import lease_device
+from dflashpipe.runtime import job
+from dflashpipe.target import target_fingerprint
+
+rank = int(getattr(snakemake.wildcards, "shard", 0))
+p = snakemake.params
+shards = p.train["shards"]
+with job(snakemake.log[0], threads=snakemake.threads, name=f"train shard {rank}/{shards}") as log:
+    lease = lease_device(p.lock_dir, p.slots, slot=rank, timeout_s=p.lease_timeout_s)
+    log(f"leased slot {rank}: device {lease.device} (CUDA_VISIBLE_DEVICES={lease.visible_devices})")
+    use_slot_cache(p.cache_root, rank)
+    cfg = TrainConfig.from_sections(p.drafter, p.train, p.seed)
+    # Checkpoints are keyed by what they depend on: a config/data/target change starts a fresh
+    # run (the old one stays on disk), a killed job resumes its own.
+    key_src = json.dumps([p.drafter, p.train, p.seed, open(os.path.join(snakemake.input.tokenized, "state.json")).read(),
+                          target_fingerprint(snakemake.input.target)], sort_keys=True)
+    ckpt_dir = os.path.join(p.run_dir, "checkpoints", hashlib.sha256(key_src.encode()).hexdigest()[:12])
+    train_shard(
+        cfg,
+        snakemake.input.tokenized,
+        snakemake.input.target,
+        ckpt_dir,
+        rank,
+        shards,
+        rendezvous_url(os.path.join(p.run_dir, "rendezvous"), os.environ["DFLASH_RUN_ID"]),
+        lease.device,
+        snakemake.output.metrics,
+        snakemake.output.summary,
+        export_dir=getattr(snakemake.output, "drafter", None),
+        log=log,
+        hot_start=hot_start(snakemake.input.stamps[rank], lease.device),
+    )
