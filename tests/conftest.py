@@ -145,3 +145,25 @@ def build_tokenized(target_dir: Path, out_dir: Path, n_rows: int = 64, buckets=t
 def micro_tokenized(micro_target, tmp_path_factory) -> Path:
     """~60 math chats tokenized with the micro target's tokenizer (buckets 200/256, both used)."""
     return build_tokenized(micro_target, tmp_path_factory.mktemp("tokenized") / "train")
+
+
+@pytest.fixture(scope="session")
+def mini_run(tmp_path_factory):
+    """ONE real run of the whole workflow on the mini config (2 CPU slots, K=2 shards); tests share it."""
+    work = tmp_path_factory.mktemp("wf")
+    cfg = write_config(work / "config.yaml", mini_config())
+    res = snakemake(work, "--cores", "2", "--configfile", str(cfg))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return work, cfg
+
+
+@pytest.fixture
+def mini_copy(mini_run, tmp_path):
+    """A private copy of the mini run (results and Snakemake metadata) for tests that change it."""
+    import shutil
+
+    work, _ = mini_run
+    dst = tmp_path / "wf"
+    shutil.copytree(work, dst, symlinks=True)
+    cfg = dst / "config.yaml"
+    return dst, cfg

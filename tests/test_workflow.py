@@ -9,15 +9,6 @@ import pytest
 from conftest import REPO, mini_config, planned_rules, snakemake, write_config
 
 
-@pytest.fixture(scope="module")
-def mini_run(tmp_path_factory):
-    work = tmp_path_factory.mktemp("wf")
-    cfg = write_config(work / "config.yaml", mini_config())
-    res = snakemake(work, "--cores", "2", "--configfile", str(cfg))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return work, cfg
-
-
 def test_stages_produce_outputs(mini_run):
     work, _ = mini_run
     r = work / "results"

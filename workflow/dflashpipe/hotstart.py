@@ -119,14 +119,17 @@ def check_stamp(stamp_path: str, parts: dict) -> dict:
         stamp = json.loads(p.read_text())
     except json.JSONDecodeError:
         raise UserError(f"{p}: compile-warm stamp is not valid JSON; delete it so the warm job reruns") from None
-    if stamp.get("fingerprint") == fingerprint(parts):
+    recorded = dict(stamp.get("parts", {}))
+    for key in ("torch", "triton", "cuda", "device_name"):  # readable copies at the top level count too
+        if key in stamp and stamp[key] != recorded.get(key):
+            recorded[key] = stamp[key]
+    diffs = [k for k in sorted(set(recorded) | set(parts)) if recorded.get(k) != parts.get(k)]
+    if not diffs and stamp.get("fingerprint") == fingerprint(parts):
         return stamp
-    old = stamp.get("parts", {})
-    diffs = [k for k in sorted(set(old) | set(parts)) if old.get(k) != parts.get(k)]
-    detail = "; ".join(f"{k}: stamp has {old.get(k)!r}, this shard has {parts.get(k)!r}" for k in diffs[:3])
+    detail = "; ".join(f"{k}: stamp has {recorded.get(k)!r}, this shard has {parts.get(k)!r}" for k in diffs[:3])
     raise UserError(
-        f"{p} is stale ({detail}); rerun the warm chain: snakemake --forcerun warm_slot --cores 1 "
-        f"(or delete {p.parent}/slot*.json)"
+        f"{p} is stale ({detail or 'fingerprint differs'}); rerun the warm chain: "
+        f"snakemake --forcerun warm_slot (or delete {p.parent}/slot*.json)"
     )
 
 
@@ -203,7 +206,8 @@ def hot_start(stamp_path: str, device: str):
     return start
 
 
-def write_stamp(path: str, signature: dict, device: str, cache_dirs: dict, bucket_seconds: dict, slot: int) -> dict:
+def write_stamp(path: str, signature: dict, device: str, cache_dirs: dict, bucket_seconds: dict, slot: int,
+                interval: tuple[float, float] | None = None) -> dict:
     """The warm job's output: what was compiled, where, how long it took, and its fingerprint."""
     from dflashpipe.atomic import write_json
 
@@ -218,6 +222,8 @@ def write_stamp(path: str, signature: dict, device: str, cache_dirs: dict, bucke
         "compile_seconds": sum(bucket_seconds.values()),
         "bucket_seconds": bucket_seconds,
         "counters": cache_counters(),
+        "started_at": interval[0] if interval else None,  # epoch seconds, for the no-overlap check
+        "finished_at": interval[1] if interval else None,
     }
     write_json(path, stamp)
     return stamp

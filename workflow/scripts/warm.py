@@ -1,3 +1,5 @@
+import time
+
 from dflashpipe.drafter.train import TrainConfig, warm_compile
 from dflashpipe.hotstart import use_slot_cache, write_stamp
 from dflashpipe.lease import lease_device
@@ -6,10 +8,12 @@ from dflashpipe.runtime import job
 slot = int(snakemake.wildcards.slot)
 p = snakemake.params
 with job(snakemake.log[0], threads=snakemake.threads, name=f"warm_slot{slot}") as log:
+    started = time.time()
     lease = lease_device(p.lock_dir, p.slots, slot=slot, timeout_s=p.lease_timeout_s)
     log(f"leased slot {slot}: device {lease.device} (CUDA_VISIBLE_DEVICES={lease.visible_devices})")
     cache = use_slot_cache(p.cache_root, slot)
     cfg = TrainConfig.from_sections(p.compile["drafter"], p.compile["train"], p.seed)
     out = warm_compile(cfg, snakemake.input.tokenized, snakemake.input.target, lease.device, log=log)
-    stamp = write_stamp(snakemake.output[0], out["signature"], lease.device, cache, out["bucket_seconds"], slot)
+    stamp = write_stamp(snakemake.output[0], out["signature"], lease.device, cache, out["bucket_seconds"], slot,
+                        interval=(started, time.time()))
     log(f"stamp {stamp['fingerprint']}: {stamp['compile_seconds']:.1f}s compiling, counters {stamp['counters']}")

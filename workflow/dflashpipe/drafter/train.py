@@ -758,6 +758,8 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, rank, K, dev, metrics_csv, 
         "resumed_from_step": resumed_from,
         "hot_start": hot,
         "time_to_first_step_s": (t_first_done - t_start) if t_first_done else None,
+        "started_at": t_start,
+        "finished_at": time.time(),
     }
     dist.barrier()  # outputs appear only once every shard got here: one failed shard fails them all
     write_json(summary_json, summary)

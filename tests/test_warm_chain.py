@@ -1,0 +1,119 @@
+"""The serial compile-warm chain, stamps and hot-start proof, through real Snakemake runs on CPU slots."""
+
+import json
+
+import pandas as pd
+import pytest
+import yaml
+
+from conftest import REPO, mini_config, planned_rules, snakemake, write_config
+from dflashpipe.errors import UserError
+from dflashpipe.hotstart import check_stamp, fingerprint_parts
+
+
+def dag_edges(workdir, *args):
+    res = snakemake(workdir, "--dag", *args)
+    assert res.returncode == 0, res.stderr[-2000:]
+    labels, edges = {}, set()
+    for line in res.stdout.splitlines():
+        line = line.strip()
+        if "[label = " in line:
+            node, rest = line.split("[", 1)
+            label = rest.split('label = "', 1)[1].split('"', 1)[0]
+            labels[node.strip()] = label.replace("\\n", "\n")
+        elif "->" in line:
+            a, b = (x.strip().rstrip(";") for x in line.split("->"))
+            edges.add((a, b))
+    return labels, edges
+
+
+def test_default_dag_chains_warm_slots_and_gates_every_shard(tmp_path):
+    cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    cfg["train"]["shards"] = 3
+    path = write_config(tmp_path / "c.yaml", cfg)
+    labels, edges = dag_edges(tmp_path, "--configfile", str(path))
+    node = {}
+    for n, label in labels.items():
+        name = label.split("\n")[0]
+        slot = [line.split(": ")[1] for line in label.split("\n")[1:] if line.startswith(("slot: ", "shard: "))]
+        node[(name, slot[0] if slot else None)] = n
+    warm = [node[("warm_slot", str(i))] for i in range(3)]
+    assert (warm[0], warm[1]) in edges and (warm[1], warm[2]) in edges
+    assert (warm[0], warm[2]) not in edges  # a chain, not a fan
+    shards = [node[("train_shard0", None)], node[("train_shard", "1")], node[("train_shard", "2")]]
+    for s in shards:
+        for w in warm:
+            assert (w, s) in edges, f"shard {s} does not wait for stamp {w}"
+
+
+def test_warm_jobs_never_overlap_and_shards_do(mini_run):
+    work, _ = mini_run
+    stamps = [json.loads((work / f"results/warm/slot{i}.json").read_text()) for i in range(2)]
+    assert stamps[0]["finished_at"] <= stamps[1]["started_at"]
+    shards = [json.loads((work / f"results/train/shard{k}.summary.json").read_text()) for k in range(2)]
+    assert max(s["started_at"] for s in shards) < min(s["finished_at"] for s in shards)
+    assert [s["rank"] for s in shards] == [0, 1] and all(s["world_size"] == 2 for s in shards)
+    for stamp in stamps:
+        assert stamp["torch"] and stamp["buckets"] and "fxgraph_cache_miss" in stamp["counters"]
+        assert stamp["cache_dirs"]["TORCHINDUCTOR_CACHE_DIR"].endswith(f"slot{stamp['slot']}/inductor")
+
+
+def test_shards_log_metrics_and_export_the_drafter(mini_run):
+    work, _ = mini_run
+    r = work / "results"
+    for k in range(2):
+        m = pd.read_csv(r / f"train/shard{k}.metrics.csv")
+        assert list(m["step"]) == [1, 2, 3, 4]
+        assert {"loss", "acc", "lr", "tokens_per_s", "peak_mem_mb"} <= set(m.columns)
+    # ranks log the same GLOBAL loss
+    a, b = (pd.read_csv(r / f"train/shard{k}.metrics.csv") for k in range(2))
+    assert (a["loss"] - b["loss"]).abs().max() < 1e-6
+    cfg = json.loads((r / "drafter/config.json").read_text())
+    assert cfg["block_size"] == 4 and "dflash_config" in cfg and (r / "drafter/model.safetensors").exists()
+
+
+def test_drafter_config_change_invalidates_stamps_but_lr_does_not(mini_run):
+    work, _ = mini_run
+    cfg = mini_config()
+    cfg["drafter"]["num_layers"] = 2
+    changed = planned_rules(work, "--configfile", str(write_config(work / "layers.yaml", cfg)))
+    assert {"warm_slot", "train_shard0", "train_shard"} <= set(changed)
+    assert not {"expand_shard", "tokenize", "tiny_target"} & set(changed)
+    cfg = mini_config()
+    cfg["train"]["lr"] = 1e-3
+    changed = planned_rules(work, "--configfile", str(write_config(work / "lr.yaml", cfg)))
+    assert "warm_slot" not in changed and {"train_shard0", "train_shard"} <= set(changed)
+
+
+def test_stale_stamp_makes_the_shard_fail_with_the_reason(mini_copy):
+    work, cfg = mini_copy
+    stamp_path = work / "results/warm/slot1.json"
+    stamp = json.loads(stamp_path.read_text())
+    stamp["torch"] = "2.11.0"
+    stamp_path.write_text(json.dumps(stamp))
+    res = snakemake(work, "--cores", "2", "--configfile", str(cfg), "--forcerun", "train_shard")
+    assert res.returncode != 0
+    log = (work / "results/logs/train/shard1.log").read_text()
+    assert "slot1.json is stale (torch: stamp has '2.11.0'" in log
+    assert "rerun the warm chain" in log
+
+
+def test_check_stamp_names_the_stale_part(tmp_path):
+    parts = fingerprint_parts({"buckets": [128]}, "cpu")
+    with pytest.raises(UserError, match="stamp missing"):
+        check_stamp(str(tmp_path / "none.json"), parts)
+    from dflashpipe.hotstart import fingerprint
+
+    good = {"fingerprint": fingerprint(parts), "parts": parts}
+    (tmp_path / "s.json").write_text(json.dumps(good))
+    assert check_stamp(str(tmp_path / "s.json"), parts)["fingerprint"] == good["fingerprint"]
+    other = fingerprint_parts({"buckets": [128, 256]}, "cpu")
+    with pytest.raises(UserError, match=r"s.json is stale \(config: stamp has"):
+        check_stamp(str(tmp_path / "s.json"), other)
+
+
+def test_too_few_gpu_slots_for_the_shards_is_refused_at_dag_time(mini_run):
+    work, cfg = mini_run
+    res = snakemake(work, "-n", "--configfile", str(cfg), "--resources", "gpu=1")
+    assert res.returncode != 0
+    assert "train.shards is 2 but --resources gpu=1" in res.stderr
