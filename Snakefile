@@ -5,6 +5,7 @@
 #   target (a real checkpoint, or the tiny default trained here)
 #   warm_slot0 -> warm_slot1 -> ... (serial compile-warm, one per GPU slot; cache stamps)
 #     -> train_shard{0..K-1} (data-parallel ranks of one drafter run; need ALL stamps)
+#       -> evaluate (per held-out dataset) -> tables -> plots (+ snakemake --report)
 #
 # Run: snakemake --cores 2            (CPU, embedded default)
 #      snakemake --cores 8 --resources gpu=3
@@ -12,6 +13,9 @@
 from snakemake.utils import min_version
 
 min_version("9.0")
+
+
+report: "workflow/report/workflow.rst"
 
 
 configfile: "config/config.yaml"
@@ -24,6 +28,8 @@ include: "workflow/rules/expand.smk"
 include: "workflow/rules/tokenize.smk"
 include: "workflow/rules/warm.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/plots.smk"
 
 
 rule all:

@@ -61,6 +61,7 @@ def test_unknown_dataset_reference():
 
 def test_greedy_with_several_samples_is_refused():
     cfg = mini_config()
+    cfg["expand"]["temperature"] = 0.0
     cfg["expand"]["num_samples"] = 4
     with pytest.raises(UserError, match="expand.num_samples"):
         check(cfg)

@@ -142,9 +142,12 @@ def forbid_dense_flex() -> None:
     (only fake ones while tracing), so a call with real tensors means the
     compiled path was lost.
     """
-    import torch
-    import torch._higher_order_ops.flex_attention as hop
+    import importlib
 
+    import torch
+
+    # import_module, not `import ... as`: the package attribute of that name is the HOP object
+    hop = importlib.import_module("torch._higher_order_ops.flex_attention")
     if getattr(hop.math_attention, "_dflash_guard", False):
         return
     original = hop.math_attention

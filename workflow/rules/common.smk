@@ -75,6 +75,8 @@ def all_outputs():
     out += [f"{R}/tokenized/train", f"{R}/tokenized/stats.json"]
     out += all_stamps()
     out += [o for k in range(SHARDS) for o in shard_outputs(k)] + [f"{R}/drafter"]
+    out += expand(f"{R}/eval/{{d}}.summary.json", d=datasets_for("eval"))
+    out += [f"{R}/plots/tau_speedup.png"]
     return out
 
 
@@ -142,3 +144,8 @@ def compile_settings():
 
 def shard_outputs(shard):
     return [f"{R}/train/shard{shard}.summary.json", f"{R}/train/shard{shard}.metrics.csv"]
+
+
+def ar_draft_dir():
+    """The assisted-generation peer's draft model, when that peer is evaluated."""
+    return [f"{R}/ar_draft"] if "assisted" in config["evaluate"]["methods"] else []

@@ -10,7 +10,9 @@ if config["target"]["path"] is None:
             model=directory(f"{R}/target/model"),
             metrics=f"{R}/target/metrics.json",
         params:
-            cfg=config["target"]["tiny"],
+            # max_minutes is a safety stop, not a setting of the model: read by the
+            # script from the config so that changing it does not retrain the target.
+            cfg={k: v for k, v in config["target"]["tiny"].items() if k != "max_minutes"},
             seed=config["seed"],
         threads: config["target"]["tiny"]["threads"]
         log:

@@ -1,0 +1,89 @@
+"""Evaluation metrics on hand-made acceptance sequences with hand-computed answers."""
+
+import math
+
+import pytest
+
+from dflashpipe.evaluate.metrics import (
+    account_steps,
+    acceptance_histogram,
+    cut_step,
+    finite_or_none,
+    per_position_acceptance,
+    speedup,
+    tau,
+    tau_mean,
+    tau_pooled,
+    tokens_per_second,
+)
+from dflashpipe.evaluate.spec_decode import DecodeResult
+
+EOS = 99
+
+
+def test_cut_step():
+    assert cut_step([1, 2, 3], 0, 10, [EOS]) == ([1, 2, 3], None)
+    assert cut_step([1, EOS, 3], 0, 10, [EOS]) == ([1, EOS], "eos")  # stop token kept, rest dropped
+    assert cut_step([1, 2, 3], 8, 10, [EOS]) == ([1, 2], "length")
+    assert cut_step([1, 2], 8, 10, [EOS]) == ([1, 2], "length")  # exactly fills the budget
+    assert cut_step([1, EOS], 8, 10, [EOS]) == ([1, EOS], "eos")  # eos wins when both apply
+    assert cut_step([5, 6], 0, 10, [EOS, 6]) == ([5, 6], "eos")  # any of several stop ids
+
+
+def test_account_steps_eos_cut():
+    # bs = 4: the prefill gives 5; three verify steps commit (before cutting) 4, 2 and 4 tokens.
+    acc = account_steps([5], [[1, 2, 3, 4], [6, 7], [8, EOS, 9, 10]], max_new_tokens=20, stop_ids=[EOS])
+    assert acc.output == [5, 1, 2, 3, 4, 6, 7, 8, EOS]
+    assert acc.committed == [4, 2, 2]
+    assert acc.committed_raw == [4, 2, 4]
+    assert acc.stop_reason == "eos"
+    assert tau(acc.committed) == pytest.approx(8 / 3)  # only tokens that reach the output
+    assert tau(acc.committed_raw) == pytest.approx(10 / 3)  # authors' convention overstates
+    assert 1 + sum(acc.committed) == len(acc.output)
+
+
+def test_account_steps_length_cut_and_ignored_steps():
+    acc = account_steps([5], [[1, 2, 3, 4], [6, 7, 8], [11, 12]], max_new_tokens=6, stop_ids=[EOS])
+    assert acc.output == [5, 1, 2, 3, 4, 6]
+    assert acc.committed == [4, 1]
+    assert acc.committed_raw == [4, 3]  # the third step never runs
+    assert acc.stop_reason == "length"
+    # The prefill token alone can end the output: no verify steps at all.
+    acc = account_steps([EOS], [[1, 2]], max_new_tokens=6, stop_ids=[EOS])
+    assert (acc.output, acc.committed, acc.stop_reason) == ([EOS], [], "eos")
+    assert math.isnan(tau(acc.committed))
+
+
+def test_tau_mean_vs_pooled():
+    per_response = [[4, 4], [1]]
+    assert tau_mean(per_response) == pytest.approx((4 + 1) / 2)
+    assert tau_pooled(per_response) == pytest.approx(9 / 3)
+    assert tau_mean([[], [2, 3]]) == pytest.approx(2.5)  # responses without steps are skipped
+    assert math.isnan(tau_pooled([[], []]))
+
+
+def test_histogram_and_per_position_acceptance():
+    accepted = [0, 3, 1, 3, 2]  # bs = 4
+    assert acceptance_histogram(accepted, 4) == [1, 1, 1, 2]
+    # k=1: #(a>=1)/#(a>=0) = 4/5; k=2: #(a>=2)/#(a>=1) = 3/4; k=3: #(a>=3)/#(a>=2) = 2/3
+    assert per_position_acceptance(accepted, 4) == pytest.approx([4 / 5, 3 / 4, 2 / 3])
+    rates = per_position_acceptance([0, 0], 4)
+    assert rates[0] == 0 and math.isnan(rates[1]) and math.isnan(rates[2])
+    with pytest.raises(ValueError):
+        acceptance_histogram([4], 4)
+
+
+def test_speed():
+    assert tokens_per_second(50, 2.0) == 25
+    assert math.isnan(tokens_per_second(5, 0.0))
+    assert speedup(10.0, 100, 4.0, 100) == pytest.approx(2.5)
+    assert speedup(10.0, 100, 5.0, 50) == pytest.approx(1.0)  # per token, not per response
+    assert math.isnan(speedup(10.0, 100, 1.0, 0))
+    assert finite_or_none({"a": [1.0, float("nan")], "b": float("inf"), "c": 2}) == {"a": [1.0, None], "b": None, "c": 2}
+
+
+def test_decode_result_conventions():
+    r = DecodeResult(tokens=[5, 1, 2, 3, 4, 6, 7, 8, EOS], committed=[4, 2, 2], committed_raw=[4, 2, 4], accepted=[3, 1, 3], decode_s=2.0)
+    assert r.verify_steps == 3 and r.new_tokens == 9 and r.decode_tokens == 8
+    assert r.tau == pytest.approx(8 / 3) and r.tau_authors == pytest.approx(10 / 3)
+    assert r.tokens_per_second == pytest.approx(4.0)

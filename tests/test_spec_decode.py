@@ -1,0 +1,316 @@
+"""DFlash speculative decoding, the same-harness AR loop, transformers' peers, and evaluate_dataset.
+
+Real models on the CPU: the session's micro Qwen3 target (trained a few steps,
+float32) and a "sharp" randomly initialised Qwen3 with the same tokenizer
+(weights scaled up so its greedy output varies; float64 so near-ties cannot flip
+an argmax between a block forward and a one-token forward).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from dflashpipe.drafter import DFlashDrafter, DrafterConfig, load_drafter, save_drafter
+from dflashpipe.errors import UserError
+from dflashpipe.evaluate.spec_decode import (
+    ARDecoder,
+    DecodeResult,
+    DFlashDecoder,
+    check_lossless,
+    default_tie_tolerance,
+    eos_ids_of,
+    logit_gap,
+)
+from dflashpipe.target import load_target
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+BS = 4
+PROMPTS = {
+    "p-add": "What is 2+3? Give the answer.",
+    "p-apples": "Tom has 5 apples and eats 2. How many are left?",
+    "p-short": "Hi",
+}
+
+
+def encode(tok, text):
+    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+
+
+def random_drafter(target, tok, out_dir, seed=0, dtype=None):
+    """A randomly initialised drafter, round-tripped through the checkpoint format."""
+    cfg = DrafterConfig.from_target_config(target.config, num_hidden_layers=1, block_size=BS, mask_token_id=tok.mask_token_id)
+    torch.manual_seed(seed)
+    save_drafter(DFlashDrafter(cfg), cfg, out_dir, target.config)
+    return load_drafter(out_dir, dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def micro(micro_target, tmp_path_factory):
+    target, tok = load_target(str(micro_target))
+    drafter, cfg = random_drafter(target, tok, tmp_path_factory.mktemp("drafter") / "d")
+    return target, tok, drafter, cfg
+
+
+@pytest.fixture(scope="module")
+def sharp(micro_target, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from dflashpipe.tiny_target import TinyTargetConfig, build_model
+
+    tok = AutoTokenizer.from_pretrained(str(micro_target))
+    target = build_model(
+        TinyTargetConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64, seed=1), tok
+    )
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.dim() >= 2:
+                p.mul_(10.0)
+    target = target.to(torch.float64).eval().requires_grad_(False)
+    drafter, cfg = random_drafter(target, tok, tmp_path_factory.mktemp("drafter") / "d", seed=1, dtype=torch.float64)
+    return target, tok, drafter, cfg
+
+
+class OracleDecoder(DFlashDecoder):
+    """Proposes the target's own greedy continuation, optionally corrupting one draft position per step."""
+
+    def __init__(self, *args, reference: list[int], prompt_len: int, corrupt=None, **kw):
+        super().__init__(*args, **kw)
+        self.reference, self.prompt_len, self.corrupt, self.calls = reference, prompt_len, corrupt, 0
+
+    def _propose(self, dcache, seq, last):
+        n_out = len(seq) - self.prompt_len
+        d = self.reference[n_out : n_out + self.bs - 1]
+        d = d + [self.cfg.mask_token_id] * (self.bs - 1 - len(d))
+        if self.corrupt is not None:
+            k = self.corrupt(self.calls)
+            if k < self.bs - 1:
+                d[k] = (d[k] + 1) % self.target.model.config.vocab_size
+        self.calls += 1
+        return torch.tensor(d, device=last.device)
+
+
+class UnverifiedDecoder(DFlashDecoder):
+    """BROKEN on purpose: commits every draft token without checking it against the target."""
+
+    def _accept(self, draft, logits, temperature, gen):
+        return self.bs - 1, draft.tolist() + [int(logits[-1].argmax())]
+
+
+def _consistent(r: DecodeResult, max_new: int):
+    assert r.target_forwards == r.verify_steps == len(r.accepted) == len(r.committed_raw)
+    assert 1 + sum(r.committed) == len(r.tokens) <= max_new
+    assert all(0 <= a < BS for a in r.accepted)
+    assert all(c == a + 1 for c, a in zip(r.committed_raw, r.accepted))
+    assert all(c <= raw for c, raw in zip(r.committed, r.committed_raw))
+    assert r.tau >= 1 and r.tau_authors >= r.tau
+    assert r.prefill_s > 0 and r.decode_s > 0
+
+
+@pytest.mark.parametrize("which", ["micro", "sharp"])
+def test_greedy_dflash_is_lossless(which, request):
+    target, tok, drafter, cfg = request.getfixturevalue(which)
+    eos = eos_ids_of(tok, target)
+    dflash, ar = DFlashDecoder(target, drafter, cfg, eos), ARDecoder(target, eos)
+    ids = list(PROMPTS)
+    d_out = [dflash.generate(encode(tok, PROMPTS[i]), 24) for i in ids]
+    a_out = [ar.generate(encode(tok, PROMPTS[i]), 24) for i in ids]
+    check_lossless(ids, d_out, a_out)
+    for r in d_out:
+        _consistent(r, 24)
+    for r in a_out:
+        assert r.target_forwards == len(r.tokens) - 1 and r.tau == 1
+    if which == "sharp":
+        assert len({t for r in a_out for t in r.tokens}) > 10  # a non-trivial output to be lossless about
+
+
+def test_unverified_decoding_fails_the_lossless_check(sharp):
+    target, tok, drafter, cfg = sharp
+    eos = eos_ids_of(tok, target)
+    broken, ar = UnverifiedDecoder(target, drafter, cfg, eos), ARDecoder(target, eos)
+    ids = list(PROMPTS)
+    b_out = [broken.generate(encode(tok, PROMPTS[i]), 16) for i in ids]
+    a_out = [ar.generate(encode(tok, PROMPTS[i]), 16) for i in ids]
+    assert b_out[0].tau_authors == BS  # it "accepts" everything
+    with pytest.raises(UserError, match=r"prompt id 'p-add'.*position \d+"):
+        check_lossless(ids, b_out, a_out)
+    # Tie-aware mode (as evaluate_dataset runs it in bf16) must still catch it: these are no near-ties.
+    tol = default_tie_tolerance(torch.bfloat16)
+
+    def near_tie(i, pos, d_tok, a_tok):
+        g = logit_gap(target, encode(tok, PROMPTS[ids[i]]), a_out[i].tokens[:pos], a_tok, d_tok)
+        return g if abs(g["gap"]) / g["scale"] <= tol else None
+
+    with pytest.raises(UserError, match="prompt id 'p-add'"):
+        check_lossless(ids, b_out, a_out, near_tie=near_tie)
+    # A divergence the callback calls a near-tie is excused and reported.
+    excused = check_lossless(ids, b_out, a_out, near_tie=lambda i, pos, d, a: {"gap": 0.0})
+    assert [e["id"] for e in excused] == ids and all(e["dflash_token"] != e["ar_token"] for e in excused)
+    # Naming: the first differing prompt, also when earlier ones agree.
+    with pytest.raises(UserError, match="prompt id 'p-apples'"):
+        check_lossless(ids, [a_out[0], b_out[1], b_out[2]], a_out)
+    with pytest.raises(UserError, match="lengths 3 vs 2"):
+        check_lossless(["x"], [[1, 2, 3]], [[1, 2]])
+
+
+@pytest.mark.parametrize("cut", ["length", "eos"])
+def test_oracle_drafter_accepts_whole_blocks(sharp, cut):
+    target, tok, drafter, cfg = sharp
+    prompt = encode(tok, PROMPTS["p-apples"])
+    max_new = 1 + 3 * BS + 2
+    # The target's greedy continuation, long enough to draft past the length limit, ignoring eos.
+    reference = ARDecoder(target, []).generate(prompt, max_new + BS).tokens
+    if cut == "length":
+        stop = []
+        want_committed = [BS, BS, BS, 2]
+    else:
+        # A token's first occurrence, mid-block (j % bs != 0), becomes the stop token: the output ends there.
+        j = next(j for j in range(5, max_new) if j % BS and reference[j] not in reference[:j])
+        stop = [reference[j]]
+        full, rest = divmod(j, BS)
+        want_committed = [BS] * full + ([rest] if rest else [])
+    ar = ARDecoder(target, stop).generate(prompt, max_new)
+    r = OracleDecoder(target, drafter, cfg, stop, reference=reference, prompt_len=len(prompt)).generate(prompt, max_new)
+    assert r.tokens == ar.tokens
+    assert r.stop_reason == cut
+    assert r.committed == want_committed  # every step commits bs, except the cut last one
+    assert r.accepted == [BS - 1] * len(want_committed)
+    assert r.tau_authors == BS  # counted before cutting
+    assert r.tau == pytest.approx(sum(want_committed) / len(want_committed)) and r.tau < BS
+
+
+def test_partially_wrong_drafts_crop_caches_correctly(sharp):
+    """Step i corrupts draft position i % bs (bs-1: none), so exactly that many are accepted; the output stays AR's."""
+    target, tok, drafter, cfg = sharp
+    prompt = encode(tok, PROMPTS["p-add"])
+    reference = ARDecoder(target, []).generate(prompt, 40 + BS).tokens
+    r = OracleDecoder(target, drafter, cfg, [], reference=reference, prompt_len=len(prompt), corrupt=lambda i: i % BS).generate(prompt, 40)
+    assert r.tokens == reference[:40]
+    assert r.accepted == [min(i % BS, BS - 1) for i in range(len(r.accepted))]
+    _consistent(r, 40)
+
+
+def test_sampled_mode_reproducible_and_valid(sharp):
+    target, tok, drafter, cfg = sharp
+    eos = eos_ids_of(tok, target)
+    dflash, ar = DFlashDecoder(target, drafter, cfg, eos), ARDecoder(target, eos)
+    V = target.config.vocab_size
+    runs = {}
+    for seed in (0, 0, 1):
+        outs = [dflash.generate(encode(tok, PROMPTS[i]), 20, temperature=1.5, seed=seed) for i in PROMPTS]
+        for r in outs:
+            assert all(0 <= t < V for t in r.tokens) and 1 <= len(r.tokens) <= 20
+            _consistent(r, 20)
+        runs.setdefault(seed, []).append([r.tokens for r in outs])
+    assert runs[0][0] == runs[0][1]  # same seed, same tokens
+    assert runs[1][0] != runs[0][0]
+    p = encode(tok, PROMPTS["p-add"])
+    assert ar.generate(p, 20, temperature=1.5, seed=3).tokens == ar.generate(p, 20, temperature=1.5, seed=3).tokens
+
+
+def test_speculative_sampling_rule_is_lossless(sharp):
+    """With a one-hot drafter, committed tokens are distributed as the target's p (first and second position)."""
+    target, tok, drafter, cfg = sharp
+    dec = DFlashDecoder(target, drafter, cfg, [])
+    V = target.config.vocab_size
+    logits = torch.full((BS, V), -1e9, dtype=torch.float64)
+    logits[:, :4] = torch.tensor([[0.0, 1.0, 0.5, -1.0], [1.0, 0.0, 0.0, 0.2], [0.0] * 4, [0.0] * 4], dtype=torch.float64)
+    p = torch.softmax(logits, -1)[:, :4]
+    draft = torch.tensor([1, 0, 3])
+    gen = torch.Generator().manual_seed(0)
+    n = 4000
+    first, second = torch.zeros(4), torch.zeros(4)
+    for _ in range(n):
+        a, toks = dec._accept(draft, logits, 1.0, gen)
+        assert len(toks) == a + 1 and all(t < 4 for t in toks)
+        first[toks[0]] += 1
+        if a >= 1:  # the first draft (token 1) was accepted; the next token is then drawn from row 1
+            second[toks[1]] += 1
+    assert torch.allclose(first / n, p[0].float(), atol=0.03)
+    assert torch.allclose(second / second.sum(), p[1].float(), atol=0.05)
+
+
+def test_baselines_on_micro_target(micro, micro_target, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from conftest import PROMPTS as PROMPT_DIR
+    from conftest import read_jsonl_gz
+    from dflashpipe.evaluate.baselines import (
+        ARDraftConfig,
+        assisted_generate,
+        hf_generate,
+        prompt_lookup_generate,
+        train_ar_draft,
+    )
+
+    target, tok, _, _ = micro
+    chats = [r["messages"] for r in read_jsonl_gz(PROMPT_DIR / "math_train.jsonl.gz", 16)]
+    small = ARDraftConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
+                          seq_len=64, batch_size=4, warmup_steps=1, max_steps=4)
+    m = train_ar_draft(chats, str(micro_target), str(tmp_path / "ar_draft"), small, log=lambda s: None)
+    assert m["steps"] == 4
+    draft = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ar_draft")).eval()
+    assert draft.config.vocab_size == target.config.vocab_size and draft.config.num_hidden_layers == 1
+    eos = eos_ids_of(tok, target)
+    prompt = encode(tok, PROMPTS["p-apples"])
+    ar = ARDecoder(target, eos).generate(prompt, 20)
+    for name, run in {
+        "generate": lambda T: hf_generate(target, tok, prompt, 20, T, 0, eos),
+        "prompt_lookup": lambda T: prompt_lookup_generate(target, tok, prompt, 20, T, 0, eos, num_tokens=5),
+        "assisted": lambda T: assisted_generate(target, tok, draft, prompt, 20, T, 0, eos),
+    }.items():
+        r = run(0.0)
+        assert r.tokens == ar.tokens, name  # greedy peers are lossless too
+        assert r.target_forwards >= 1 and r.decode_tokens / r.target_forwards >= 1, name
+        assert r.first_tokens + sum(r.committed) == len(r.tokens) and len(r.committed) == r.target_forwards, name
+        assert r.decode_s > 0 and r.prefill_s > 0, name
+        s = run(1.0)
+        assert all(0 <= t < target.config.vocab_size for t in s.tokens) and s.decode_tokens / max(1, s.target_forwards) >= 1
+    plain = hf_generate(target, tok, prompt, 20, 0.0, 0, eos)
+    assert plain.decode_tokens == plain.target_forwards  # one token per forward
+
+
+def test_evaluate_dataset_writes_samples_and_summary(micro, micro_target, tmp_path):
+    from conftest import PROMPTS as PROMPT_DIR
+    from conftest import read_jsonl_gz
+    from dflashpipe.evaluate.baselines import ARDraftConfig, train_ar_draft
+    from dflashpipe.evaluate.run import evaluate_dataset
+
+    target, tok, drafter, cfg = micro
+    save_drafter(drafter, cfg, tmp_path / "drafter", target.config)
+    rows = read_jsonl_gz(PROMPT_DIR / "math_heldout.jsonl.gz", 3)
+    pd.DataFrame(
+        {"id": [r["id"] for r in rows], "prompt": [r["messages"][:-1] for r in rows], "reference": [r["messages"][-1]["content"] for r in rows]}
+    ).to_parquet(tmp_path / "prompts.parquet")
+    small = ARDraftConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
+                          seq_len=64, batch_size=2, warmup_steps=1, max_steps=2)
+    train_ar_draft([r["messages"] for r in rows], str(micro_target), str(tmp_path / "ar"), small, log=lambda s: None)
+    logs = []
+    summary = evaluate_dataset(
+        str(micro_target), str(tmp_path / "drafter"), str(tmp_path / "prompts.parquet"),
+        str(tmp_path / "out" / "samples.parquet"), str(tmp_path / "out" / "summary.json"),
+        max_new_tokens=12, num_prompts=2, ar_draft_dir=str(tmp_path / "ar"), prompt_lookup_num_tokens=4, log=logs.append,
+    )
+    df = pd.read_parquet(tmp_path / "out" / "samples.parquet")
+    assert sorted(df["method"].unique()) == ["ar", "assisted", "dflash", "hf_generate", "prompt_lookup"]
+    assert len(df) == 10 and df["id"].nunique() == 2
+    for col in ("new_tokens", "decode_s", "tokens_per_s", "tau", "tau_authors", "steps", "accept_lengths", "target_forwards"):
+        assert col in df.columns
+    assert df["matches_ar"].all()
+    on_disk = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(summary))
+    assert summary["lossless"]["passed"] and summary["lossless"]["exact_matches"] == 2
+    dfl = summary["methods"]["dflash"]
+    assert dfl["tau_mean"] >= 1 and dfl["tau_authors_pooled"] >= dfl["tau_pooled"]
+    assert sum(dfl["acceptance_histogram"]) == dfl["target_forwards"] and len(dfl["per_position_acceptance"]) == BS - 1
+    for m, s in summary["methods"].items():
+        assert s["tokens_per_target_forward"] >= 1 and s["peak_memory_bytes"] > 0 and s["speedup_vs_ar"] > 0, m
+    assert summary["methods"]["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+    with pytest.raises(UserError, match="methods"):
+        evaluate_dataset(str(micro_target), str(tmp_path / "drafter"), str(tmp_path / "prompts.parquet"),
+                         str(tmp_path / "s2.parquet"), str(tmp_path / "s2.json"), methods=["assisted"])

@@ -1,0 +1,168 @@
+"""Speculative-decoding metrics as pure functions on per-step acceptance records.
+
+Vocabulary (one response, batch size 1):
+
+* the **first token** comes from the prefill forward; it belongs to no verify step
+  and its time is prefill time, not decode time;
+* a **verify step** drafts a block ``[last, MASK x (bs-1)]``, verifies it with ONE
+  target forward, and accepts ``a`` draft tokens (``0 <= a <= bs-1``, the length of
+  the matching prefix), so it commits ``a + 1`` tokens (accepted + the target's
+  bonus token);
+* **cutting**: the output ends at the first stop token (inclusive) or at
+  ``max_new_tokens``. A step's tokens past that point never reach the output.
+
+Two conventions for tau (mean committed tokens per verify step):
+
+* ``tau`` (this pipeline's headline): counts only tokens that reach the output,
+  i.e. the LAST step is cut;
+* ``tau_authors``: the DFlash authors' benchmark counts ``a + 1`` for every step
+  before cutting, which can overstate tau on short outputs.
+
+Histogram and per-position acceptance use the raw accept lengths ``a`` (what the
+drafter achieved; cutting is an artefact of the output length, not of drafting).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+# ---------------------------------------------------------------------------
+# Cutting
+# ---------------------------------------------------------------------------
+
+
+def cut_step(step_tokens: Sequence[int], n_out: int, max_new_tokens: int, stop_ids: Iterable[int]) -> tuple[list[int], str | None]:
+    """Tokens of one step that reach the output, and why the output ends (or None).
+
+    ``n_out``: tokens already in the output. The step's tokens are cut at the
+    first stop token (kept, like HF ``generate``) and at ``max_new_tokens``.
+    Returns ``(kept, reason)`` with reason ``"eos"``, ``"length"`` or None.
+    """
+    stop = set(int(t) for t in stop_ids)
+    budget = max(0, int(max_new_tokens) - int(n_out))
+    kept: list[int] = []
+    for t in step_tokens:
+        if len(kept) >= budget:
+            return kept, "length"
+        kept.append(int(t))
+        if int(t) in stop:
+            return kept, "eos"
+    if n_out + len(kept) >= max_new_tokens:
+        return kept, "length"
+    return kept, None
+
+
+@dataclass
+class Accounting:
+    """Output and per-step counts of a response after cutting."""
+
+    output: list[int] = field(default_factory=list)
+    committed: list[int] = field(default_factory=list)  # per step, tokens reaching the output
+    committed_raw: list[int] = field(default_factory=list)  # per step, a + 1 before cutting
+    stop_reason: str = "length"
+
+
+def account_steps(first: Sequence[int], steps: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: Iterable[int]) -> Accounting:
+    """Replay a decode: ``first`` = tokens of the prefill step (usually one),
+    ``steps`` = each verify step's committed tokens BEFORE cutting.
+
+    Steps after the output has ended are ignored (a real loop would not run them).
+    """
+    stop_ids = list(stop_ids)
+    acc = Accounting()
+    kept, reason = cut_step(first, 0, max_new_tokens, stop_ids)
+    acc.output.extend(kept)
+    if reason is not None:
+        acc.stop_reason = reason
+        return acc
+    for tokens in steps:
+        kept, reason = cut_step(tokens, len(acc.output), max_new_tokens, stop_ids)
+        acc.output.extend(kept)
+        acc.committed.append(len(kept))
+        acc.committed_raw.append(len(tokens))
+        if reason is not None:
+            acc.stop_reason = reason
+            return acc
+    acc.stop_reason = "unfinished"
+    return acc
+
+
+# ---------------------------------------------------------------------------
+# Acceptance
+# ---------------------------------------------------------------------------
+
+
+def _nan() -> float:
+    return float("nan")
+
+
+def tau(committed: Sequence[int]) -> float:
+    """Mean committed tokens per verify step of ONE response (NaN without steps)."""
+    return sum(committed) / len(committed) if len(committed) else _nan()
+
+
+def tau_mean(per_response: Sequence[Sequence[int]]) -> float:
+    """tau per response, then averaged over responses that have at least one step."""
+    vals = [tau(c) for c in per_response if len(c)]
+    return sum(vals) / len(vals) if vals else _nan()
+
+
+def tau_pooled(per_response: Sequence[Sequence[int]]) -> float:
+    """All committed tokens over all verify steps of all responses."""
+    steps = sum(len(c) for c in per_response)
+    return sum(sum(c) for c in per_response) / steps if steps else _nan()
+
+
+def acceptance_histogram(accepted: Iterable[int], block_size: int) -> list[int]:
+    """Counts of steps that accepted 0, 1, ..., bs-1 draft tokens."""
+    hist = [0] * int(block_size)
+    for a in accepted:
+        if not 0 <= a < block_size:
+            raise ValueError(f"accept length {a} outside 0..{block_size - 1}")
+        hist[a] += 1
+    return hist
+
+
+def per_position_acceptance(accepted: Iterable[int], block_size: int) -> list[float]:
+    """For k = 1..bs-1: P(draft position k accepted | positions < k accepted).
+
+    Position k is accepted iff a >= k; all earlier ones iff a >= k-1. So the
+    rate is #(a >= k) / #(a >= k-1) (NaN where the denominator is 0).
+    """
+    accepted = list(accepted)
+    out = []
+    for k in range(1, int(block_size)):
+        den = sum(a >= k - 1 for a in accepted)
+        num = sum(a >= k for a in accepted)
+        out.append(num / den if den else _nan())
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Speed
+# ---------------------------------------------------------------------------
+
+
+def tokens_per_second(tokens: int, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 else _nan()
+
+
+def speedup(ar_seconds: float, ar_tokens: int, method_seconds: float, method_tokens: int) -> float:
+    """AR time per output token / method time per output token (decode only)."""
+    if ar_tokens <= 0 or method_tokens <= 0 or method_seconds <= 0:
+        return _nan()
+    return (ar_seconds / ar_tokens) / (method_seconds / method_tokens)
+
+
+def finite_or_none(x):
+    """JSON-friendly: NaN/inf -> None (recursively through lists and dicts)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, (list, tuple)):
+        return [finite_or_none(v) for v in x]
+    if isinstance(x, dict):
+        return {k: finite_or_none(v) for k, v in x.items()}
+    return x

@@ -1,0 +1,346 @@
+"""Evaluate a drafter on held-out prompts: DFlash, same-harness AR, and transformers' peers.
+
+Methods (all batch size 1, on the same target, prompts and decoding settings):
+
+* ``dflash``        DFlash speculative decoding (:mod:`.spec_decode`)
+* ``ar``            plain autoregressive decoding in the SAME harness: the speed-up denominator
+* ``hf_generate``   transformers ``generate``
+* ``prompt_lookup`` transformers prompt-lookup decoding
+* ``assisted``      transformers assisted generation with a small AR draft (only if one is given)
+
+Each method runs over all prompts in turn (method-major, so peak memory is per
+method). Before any timing, every method decodes the first prompt once, untimed
+(kernels, allocator and caches warm). For greedy decoding the lossless check
+compares DFlash with same-harness AR token for token (and every method's
+agreement with AR is recorded per sample). In reduced precision a block forward
+and a one-token forward round differently, so a greedy divergence can be a
+numerical near-tie of the target's top two logits rather than a bug; mode
+``"ties"`` (default) excuses a divergence only when the target's logit gap
+between the two tokens, at that position, is below ``tie_tolerance`` relative
+to the logits, and records each excused case; any other divergence fails.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+
+import pandas as pd
+import torch
+
+from dflashpipe.atomic import atomic_path, write_json
+from dflashpipe.errors import UserError
+
+from . import metrics as M
+from .baselines import assisted_generate, assistant_settings, hf_generate, prompt_lookup_generate
+from .spec_decode import (
+    ARDecoder,
+    DecodeResult,
+    DFlashDecoder,
+    check_lossless,
+    default_tie_tolerance,
+    eos_ids_of,
+    logit_gap,
+)
+
+METHODS = ("dflash", "ar", "hf_generate", "prompt_lookup", "assisted")
+
+
+def _peak_memory_reset(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_memory(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {"peak_memory_bytes": int(torch.cuda.max_memory_allocated(device)), "peak_memory_kind": "cuda_max_memory_allocated"}
+    # ru_maxrss is in KiB on Linux; process-wide and never reset, so it is the peak so far.
+    return {"peak_memory_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "peak_memory_kind": "cpu_process_maxrss"}
+
+
+def encode_prompt(tokenizer, turns, chat_template_kwargs: dict | None = None) -> list[int]:
+    """The target's chat template with ``add_generation_prompt=True`` (as in expand)."""
+    text = tokenizer.apply_chat_template([dict(t) for t in turns], tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {}))
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _row(pid, method: str, r: DecodeResult, ar: DecodeResult | None, tokenizer) -> dict:
+    return {
+        "id": str(pid),
+        "method": method,
+        "prompt_tokens": r.prompt_tokens,
+        "new_tokens": r.new_tokens,
+        "decode_tokens": r.decode_tokens,
+        "prefill_s": r.prefill_s,
+        "decode_s": r.decode_s,
+        "tokens_per_s": r.tokens_per_second,
+        "tau": r.tau,
+        "tau_authors": r.tau_authors if method == "dflash" else float("nan"),
+        "steps": r.verify_steps,
+        "target_forwards": r.target_forwards,
+        "tokens_per_forward": r.decode_tokens / r.target_forwards if r.target_forwards else float("nan"),
+        "accept_lengths": list(r.accepted),
+        "committed": list(r.committed),
+        "committed_raw": list(r.committed_raw),
+        "stop_reason": r.stop_reason,
+        "matches_ar": None if ar is None else r.tokens == ar.tokens,
+        "output_ids": list(r.tokens),
+        "output_text": tokenizer.decode(r.tokens, skip_special_tokens=False),
+    }
+
+
+def _summarise(method: str, results: list[DecodeResult], ar: list[DecodeResult], block_size: int, extra: dict) -> dict:
+    dec_tokens = sum(r.decode_tokens for r in results)
+    dec_s = sum(r.decode_s for r in results)
+    ar_tokens = sum(r.decode_tokens for r in ar)
+    ar_s = sum(r.decode_s for r in ar)
+    forwards = sum(r.target_forwards for r in results)
+    per_prompt_speedup = [
+        M.speedup(a.decode_s, a.decode_tokens, r.decode_s, r.decode_tokens) for r, a in zip(results, ar)
+    ]
+    per_prompt_speedup = [s for s in per_prompt_speedup if math.isfinite(s)]
+    out = {
+        "n_prompts": len(results),
+        "output_tokens": sum(r.new_tokens for r in results),
+        "decode_tokens": dec_tokens,
+        "decode_s": dec_s,
+        "prefill_s": sum(r.prefill_s for r in results),
+        "tokens_per_s": M.tokens_per_second(dec_tokens, dec_s),
+        "tokens_per_s_mean_per_response": _mean([r.tokens_per_second for r in results]),
+        "speedup_vs_ar": M.speedup(ar_s, ar_tokens, dec_s, dec_tokens),
+        "speedup_vs_ar_mean_per_prompt": _mean(per_prompt_speedup),
+        "target_forwards": forwards,
+        "tokens_per_target_forward": dec_tokens / forwards if forwards else float("nan"),
+        "tau_mean": M.tau_mean([r.committed for r in results]),
+        "tau_pooled": M.tau_pooled([r.committed for r in results]),
+        "stop_reasons": pd.Series([r.stop_reason for r in results]).value_counts().to_dict(),
+        "matches_ar": sum(r.tokens == a.tokens for r, a in zip(results, ar)) / max(1, len(results)),
+    }
+    if method == "dflash":
+        accepted = [a for r in results for a in r.accepted]
+        out.update(
+            {
+                "tau_convention": "tau_mean/tau_pooled count only tokens that reach the output (last step cut at the "
+                "stop token / length limit); tau_authors_* count accepted+1 for every step before cutting",
+                "tau_authors_mean": M.tau_mean([r.committed_raw for r in results]),
+                "tau_authors_pooled": M.tau_pooled([r.committed_raw for r in results]),
+                "block_size": block_size,
+                "acceptance_histogram": M.acceptance_histogram(accepted, block_size),
+                "per_position_acceptance": M.per_position_acceptance(accepted, block_size),
+            }
+        )
+    out.update(extra)
+    return M.finite_or_none(out)
+
+
+def _mean(xs) -> float:
+    xs = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def evaluate_dataset(
+    target_dir: str,
+    drafter_dir: str,
+    prompts_parquet: str,
+    samples_out: str,
+    summary_out: str,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    num_prompts: int | None = None,
+    ar_draft_dir: str | None = None,
+    prompt_lookup_num_tokens: int = 10,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+    methods: tuple[str, ...] | list[str] | None = None,
+    lossless: str = "ties",
+    tie_tolerance: float | None = None,
+    warmup: bool = True,
+    chat_template_kwargs: dict | None = None,
+    cudnn_sdpa: bool = False,
+    log=print,
+) -> dict:
+    """Run every method on the first ``num_prompts`` prompts; write per-sample parquet and summary JSON atomically.
+
+    ``lossless`` (greedy only): ``"exact"`` (DFlash must equal AR token for
+    token), ``"ties"`` (as exact, except divergences at numerical near-ties of
+    the target's logits; tolerance ``tie_tolerance``, default
+    :func:`default_tie_tolerance` of the dtype) or ``"report"`` (as ties, but
+    never fails). A failure raises a :class:`UserError` naming the prompt, after
+    the outputs are written. ``methods``: subset of :data:`METHODS`
+    (``assisted`` needs ``ar_draft_dir``). Returns the summary dict.
+
+    ``cudnn_sdpa=False`` turns PyTorch's cuDNN attention backend off while this
+    runs (restored afterwards): it builds an execution plan the first time it
+    sees each (query length, key length) pair. Seen on an H200 (torch 2.11,
+    micro target, 3 prompts): the methods that met new context lengths first
+    (DFlash, AR) ran 6-8x slower than on a second pass while the ones after
+    them did not, an order bias no single warm-up prompt removes; with cuDNN
+    attention off the first pass was within about 2x (the rest is other
+    first-use costs). Flash / memory-efficient attention plan nothing per shape.
+    """
+    dev = torch.device(device)
+    cudnn_before = torch.backends.cuda.cudnn_sdp_enabled()
+    if dev.type == "cuda" and not cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        return _evaluate(
+            target_dir, drafter_dir, prompts_parquet, samples_out, summary_out, max_new_tokens, temperature, num_prompts,
+            ar_draft_dir, prompt_lookup_num_tokens, dev, dtype, seed, methods, lossless, tie_tolerance, warmup,
+            chat_template_kwargs, log,
+        )
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn_before)
+
+
+def _evaluate(
+    target_dir, drafter_dir, prompts_parquet, samples_out, summary_out, max_new_tokens, temperature, num_prompts,
+    ar_draft_dir, prompt_lookup_num_tokens, dev, dtype, seed, methods, lossless, tie_tolerance, warmup,
+    chat_template_kwargs, log,
+) -> dict:
+    from tqdm import tqdm
+
+    from dflashpipe.data import read_prompts
+    from dflashpipe.drafter.export import load_drafter
+    from dflashpipe.target import describe_target, load_target
+
+    if max_new_tokens < 1:
+        raise UserError(f"evaluate.max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise UserError(f"evaluate.temperature must be >= 0, got {temperature}")
+    if lossless not in ("exact", "ties", "report"):
+        raise UserError(f"evaluate.lossless must be 'exact', 'ties' or 'report', got {lossless!r}")
+    methods = list(methods or [m for m in METHODS if m != "assisted" or ar_draft_dir])
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise UserError(f"evaluate.methods: unknown {unknown}; choose from {list(METHODS)}")
+    if "assisted" in methods and not ar_draft_dir:
+        raise UserError("evaluate.methods includes 'assisted' but no AR draft model directory is given")
+    if "ar" not in methods:
+        methods.insert(0, "ar")  # the speed-up denominator and the lossless reference
+    methods.sort(key=METHODS.index)
+
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"evaluate.device is {str(dev)!r} but CUDA is not available")
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    target, tok = load_target(target_dir, device=str(dev), dtype=dtype)
+    drafter, dcfg = load_drafter(drafter_dir, device=dev, dtype=dtype)
+    eos = eos_ids_of(tok, target)
+    if not eos:
+        raise UserError(f"{target_dir}: neither the tokenizer nor the generation config names an eos token")
+    assistant = None
+    if "assisted" in methods:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            assistant = AutoModelForCausalLM.from_pretrained(ar_draft_dir, dtype=dtype).to(dev).eval().requires_grad_(False)
+        except Exception as err:
+            raise UserError(f"evaluate.ar_draft: cannot load a causal LM from {ar_draft_dir}: {str(err).splitlines()[0]}") from None
+
+    df = read_prompts(prompts_parquet)
+    if num_prompts is not None:
+        df = df.iloc[: int(num_prompts)]
+    if not len(df):
+        raise UserError(f"{prompts_parquet}: no prompts to evaluate")
+    ids = [str(i) for i in df["id"]]
+    encoded = [encode_prompt(tok, p, chat_template_kwargs) for p in df["prompt"]]
+    log(
+        f"evaluate: {len(ids)} prompts, max_new_tokens {max_new_tokens}, temperature {temperature}, block size "
+        f"{dcfg.block_size}, methods {methods}, device {dev}, dtype {str(dtype).removeprefix('torch.')}"
+    )
+
+    dflash = DFlashDecoder(target, drafter, dcfg, eos)
+    ar_dec = ARDecoder(target, eos)
+    runners = {
+        "dflash": lambda p, n, s: dflash.generate(p, n, temperature, s),
+        "ar": lambda p, n, s: ar_dec.generate(p, n, temperature, s),
+        "hf_generate": lambda p, n, s: hf_generate(target, tok, p, n, temperature, s, eos),
+        "prompt_lookup": lambda p, n, s: prompt_lookup_generate(target, tok, p, n, temperature, s, eos, num_tokens=prompt_lookup_num_tokens),
+        "assisted": lambda p, n, s: assisted_generate(target, tok, assistant, p, n, temperature, s, eos),
+    }
+    extras = {m: {} for m in methods}
+    if "prompt_lookup" in methods:
+        extras["prompt_lookup"] = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens}
+    if assistant is not None:
+        extras["assisted"] = {"assistant": assistant_settings(assistant), "assistant_parameters": sum(p.numel() for p in assistant.parameters())}
+
+    if warmup:
+        for method in methods:
+            runners[method](encoded[0], max_new_tokens, seed)
+    results: dict[str, list[DecodeResult]] = {}
+    for method in methods:
+        run = runners[method]
+        _peak_memory_reset(dev)
+        t0 = time.time()
+        out = []
+        bar = tqdm(range(len(ids)), desc=f"evaluate {method}", mininterval=5)
+        for i in bar:
+            r = run(encoded[i], max_new_tokens, seed + i)
+            out.append(r)
+            tok_s = sum(x.decode_tokens for x in out) / max(1e-9, sum(x.decode_s for x in out))
+            bar.set_postfix(tau=f"{M.tau_pooled([x.committed for x in out]):.2f}", tok_s=f"{tok_s:.1f}", refresh=False)
+        results[method] = out
+        extras[method].update(_peak_memory(dev))
+        extras[method]["wall_s"] = time.time() - t0
+        log(
+            f"{method}: {sum(r.new_tokens for r in out)} tokens, tau {M.tau_pooled([r.committed for r in out]):.3f} (pooled), "
+            f"{M.tokens_per_second(sum(r.decode_tokens for r in out), sum(r.decode_s for r in out)):.1f} decode tok/s"
+        )
+
+    ar = results["ar"]
+    rows = [_row(pid, m, results[m][i], ar[i], tok) for m in methods for i, pid in enumerate(ids)]
+    summary = {
+        "target": describe_target(target_dir),
+        "drafter": {"path": str(drafter_dir), **{k: v for k, v in dcfg.to_dict().items() if k in ("block_size", "num_hidden_layers", "target_layer_ids", "mask_token_id")}},
+        "prompts": str(prompts_parquet),
+        "n_prompts": len(ids),
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "seed": seed,
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled() if dev.type == "cuda" else None,
+        "torch": torch.__version__,
+        "warmup": "each method decoded the first prompt once, untimed, before any timing" if warmup else None,
+        "timing": "decode only: from the first output token (produced by the prefill forward) to the last; "
+        "speed-up = AR time per decode token / method time per decode token, AR = same-harness autoregressive",
+        "methods": {m: _summarise(m, results[m], ar, dcfg.block_size, extras[m]) for m in methods},
+    }
+
+    failure = None
+    if temperature == 0 and "dflash" in results:
+        tol = float(tie_tolerance) if tie_tolerance is not None else default_tie_tolerance(dtype)
+
+        def near_tie(i, pos, d_tok, a_tok):
+            g = logit_gap(target, encoded[i], ar[i].tokens[:pos], a_tok, d_tok)
+            rel = abs(g["gap"]) / g["scale"]
+            return {**g, "relative_gap": rel} if rel <= tol else None
+
+        info = {
+            "checked": True,
+            "mode": lossless,
+            "tie_tolerance": tol if lossless != "exact" else None,
+            "n_prompts": len(ids),
+            "exact_matches": sum(d.tokens == a.tokens for d, a in zip(results["dflash"], ar)),
+        }
+        try:
+            excused = check_lossless(ids, results["dflash"], ar, near_tie if lossless != "exact" else None)
+            info.update(passed=True, near_tie_divergences=excused)
+            if excused:
+                log(f"lossless: {len(excused)} greedy divergence(s) at numerical near-ties of the target's logits (excused)")
+        except UserError as err:
+            failure = err
+            info.update(passed=False, error=str(err))
+            log(f"WARNING: {err}")
+        summary["lossless"] = info
+    else:
+        summary["lossless"] = {"checked": False, "reason": "sampling (temperature > 0)" if temperature > 0 else "dflash not run"}
+
+    with atomic_path(samples_out) as tmp:
+        pd.DataFrame(rows).to_parquet(tmp, index=False)
+    write_json(summary_out, summary)
+    if failure is not None and lossless != "report":
+        raise failure
+    return summary

@@ -1,0 +1,423 @@
+"""DFlash speculative decoding and plain autoregressive decoding in ONE harness (batch size 1).
+
+Both decoders share the target wrapper (:class:`TargetRunner`: an HF causal LM
+with a ``DynamicCache``), the stop rule (:func:`dflashpipe.evaluate.metrics.cut_step`)
+and the timing (device synchronised around prefill and decode), so the speed-up
+DFlash / AR compares like with like.
+
+DFlash loop (the authors' benchmark, DESIGN "Evaluation loop"):
+
+1. prefill the target on the prompt (``output_hidden_states=True``): first token
+   from the last logits; the context features of the prompt (concatenation of
+   ``hidden_states[id + 1]`` for ``id`` in ``target_layer_ids``) are projected into
+   the draft cache;
+2. repeat: the sequence has ``n`` tokens, the last one (position ``n-1``) not yet
+   seen by the target. Draft the block ``[last, MASK x (bs-1)]`` at positions
+   ``n-1 .. n+bs-2`` in ONE drafter forward (embeddings: the target's input
+   embedding; logits: the target's LM head on the drafter's hidden); the drafts
+   are the argmax of block positions 1..bs-1. Verify ``[last, d_1..d_{bs-1}]``
+   with ONE target forward; ``a`` = length of the matching prefix; commit
+   ``d_1..d_a`` + the target's bonus token; crop the target cache to the
+   verified positions and extend the draft cache with the features of those
+   positions only (so it never needs cropping).
+
+Sampling (T > 0) is lossless speculative sampling for a deterministic (one-hot)
+drafter: accept ``d`` with probability ``p(d)``; on rejection sample from ``p``
+with ``d`` removed and renormalised; the bonus token is sampled from ``p``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dflashpipe.errors import UserError
+
+from .metrics import cut_step
+
+
+# ---------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class DecodeResult:
+    """One response.
+
+    ``tokens``: the output (cut at the stop token / length limit; stop token kept).
+    ``committed``: per verify step, tokens that reached the output (cut convention).
+    ``committed_raw``: per verify step, ``a + 1`` before cutting (authors' convention).
+    ``accepted``: per verify step, accepted draft tokens ``a`` (empty for AR).
+    ``target_forwards``: decode forwards of the target (prefill excluded).
+    Times are seconds; ``decode_s`` excludes the prefill (which yields the first token).
+    """
+
+    tokens: list[int]
+    committed: list[int] = field(default_factory=list)
+    committed_raw: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    stop_reason: str = "length"
+    target_forwards: int = 0
+    prompt_tokens: int = 0
+    first_tokens: int = 1  # output tokens produced by the prefill step
+
+    @property
+    def verify_steps(self) -> int:
+        return len(self.committed)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def decode_tokens(self) -> int:
+        return len(self.tokens) - self.first_tokens
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verify step that reach the output (NaN without steps)."""
+        return sum(self.committed) / len(self.committed) if self.committed else float("nan")
+
+    @property
+    def tau_authors(self) -> float:
+        """Authors' convention: a + 1 per step, counted before cutting."""
+        return sum(self.committed_raw) / len(self.committed_raw) if self.committed_raw else float("nan")
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def check_lossless(prompts, dflash_outputs, ar_outputs, near_tie=None) -> list[dict]:
+    """Raise :class:`UserError` naming the first prompt whose greedy DFlash output differs from greedy AR.
+
+    ``prompts``: prompt ids (or dicts / objects with an ``id``), in the same order
+    as the outputs; outputs: token lists or :class:`DecodeResult`.
+
+    ``near_tie`` (optional): ``near_tie(index, position, dflash_token, ar_token)
+    -> dict | None``; a dict excuses that divergence as a numerical near-tie of
+    the target's top logits (reduced precision: a block forward and a one-token
+    forward round differently) and is returned in the list of excused
+    divergences. Without it the check is exact.
+    """
+
+    def _id(p):
+        if isinstance(p, dict):
+            return p.get("id")
+        return getattr(p, "id", p)
+
+    def _toks(o):
+        return list(o.tokens if isinstance(o, DecodeResult) else o)
+
+    prompts, dflash_outputs, ar_outputs = list(prompts), list(dflash_outputs), list(ar_outputs)
+    if not len(prompts) == len(dflash_outputs) == len(ar_outputs):
+        raise ValueError(f"check_lossless: {len(prompts)} prompts, {len(dflash_outputs)} DFlash and {len(ar_outputs)} AR outputs")
+    excused = []
+    for i, (p, d, a) in enumerate(zip(prompts, dflash_outputs, ar_outputs)):
+        d, a = _toks(d), _toks(a)
+        if d == a:
+            continue
+        pos = next((k for k, (x, y) in enumerate(zip(d, a)) if x != y), min(len(d), len(a)))
+        got = d[pos] if pos < len(d) else None
+        want = a[pos] if pos < len(a) else None
+        if near_tie is not None and got is not None and want is not None:
+            tie = near_tie(i, pos, got, want)
+            if tie is not None:
+                excused.append({"id": _id(p), "position": pos, "dflash_token": got, "ar_token": want, **tie})
+                continue
+        raise UserError(
+            f"lossless check failed: prompt id {_id(p)!r}: greedy DFlash output differs from greedy autoregressive "
+            f"decoding at output position {pos} (DFlash {'<end>' if got is None else got}, AR {'<end>' if want is None else want}; "
+            f"lengths {len(d)} vs {len(a)})"
+        )
+    return excused
+
+
+def logit_gap(target_model, prompt_ids: list[int], prefix: list[int], tok_a: int, tok_b: int) -> dict:
+    """Target logits after ``prompt + prefix`` (one full forward, no cache): gap between two tokens.
+
+    Returns {gap: l[a] - l[b], scale: max(|l[a]|, |l[b]|, 1), top: max logit}.
+    """
+    dev = next(target_model.parameters()).device
+    ids = torch.tensor([list(prompt_ids) + list(prefix)], device=dev)
+    with torch.no_grad():
+        logits = target_model(input_ids=ids, logits_to_keep=1).logits[0, -1].float()
+    la, lb = float(logits[tok_a]), float(logits[tok_b])
+    return {"gap": la - lb, "scale": max(abs(la), abs(lb), 1.0), "top": float(logits.max())}
+
+
+def default_tie_tolerance(dtype: torch.dtype) -> float:
+    """Relative logit gap below which a greedy divergence counts as a numerical near-tie.
+
+    bf16/fp16: 2**-5 (a few bf16 ulps after dozens of layers); fp32/fp64: 1e-4.
+    """
+    return 2.0**-5 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+
+
+# ---------------------------------------------------------------------------
+# Target wrapper
+# ---------------------------------------------------------------------------
+
+
+def sync(device) -> None:
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def eos_ids_of(tokenizer=None, model=None) -> list[int]:
+    """All stop ids: the tokenizer's eos and the generation config's eos (int or list)."""
+    ids: list[int] = []
+    for val in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        if val is None:
+            continue
+        for v in val if isinstance(val, (list, tuple)) else [val]:
+            if v is not None and int(v) not in ids:
+                ids.append(int(v))
+    return ids
+
+
+def new_dynamic_cache(model):
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=model.config)
+    except TypeError:  # older transformers
+        cache = DynamicCache()
+    if hasattr(cache, "activate_past_recording"):
+        cache.activate_past_recording()  # sliding-window layers can then roll back
+    return cache
+
+
+def crop_cache(cache, keep: int) -> None:
+    """Keep the first ``keep`` positions. Uses the negative form (remove k), valid in all transformers 5.x."""
+    remove = cache.get_seq_length() - keep
+    if remove > 0:
+        cache.crop(-remove)
+    elif remove < 0:
+        raise ValueError(f"crop_cache: cache holds {cache.get_seq_length()} positions, cannot keep {keep}")
+
+
+class TargetRunner:
+    """An HF causal LM driven with an explicit ``DynamicCache``; optional context features."""
+
+    def __init__(self, model, layer_ids: list[int] | None = None):
+        self.model = model
+        self.layer_ids = list(layer_ids or [])
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+        self.device = next(model.parameters()).device
+        self.embed = model.get_input_embeddings()
+        self.lm_head = model.get_output_embeddings()
+
+    def new_cache(self):
+        return new_dynamic_cache(self.model)
+
+    @torch.no_grad()
+    def forward(self, cache, ids: torch.Tensor, start: int, features: bool = False, last_only: bool = False):
+        """ids [1, T] at positions start..start+T-1 -> (logits [T or 1, V] fp32, features [1, T, nT*H] or None)."""
+        T = ids.shape[1]
+        kwargs = {self.cache_kw: cache, "use_cache": True}
+        if features:
+            kwargs["output_hidden_states"] = True
+        if last_only:
+            kwargs["logits_to_keep"] = 1
+        pos = torch.arange(start, start + T, device=ids.device).unsqueeze(0)
+        out = self.model(input_ids=ids, position_ids=pos, **kwargs)
+        feats = None
+        if features:
+            hs = out.hidden_states
+            feats = torch.cat([hs[i + 1] for i in self.layer_ids], dim=-1)
+        return out.logits[0].float(), feats
+
+
+def _sample(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def _first_token(logits_last: torch.Tensor, temperature: float, gen) -> int:
+    if temperature > 0:
+        return _sample(torch.softmax(logits_last / temperature, dim=-1), gen)
+    return int(logits_last.argmax().item())
+
+
+def _matching_prefix(flags) -> int:
+    """Number of leading True values."""
+    n = 0
+    for f in flags:
+        if not f:
+            break
+        n += 1
+    return n
+
+
+def _generator(device, seed: int | None):
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(int(seed))
+
+
+# ---------------------------------------------------------------------------
+# Decoders
+# ---------------------------------------------------------------------------
+
+
+class ARDecoder:
+    """Plain autoregressive decoding: one token per target forward, with the cache."""
+
+    def __init__(self, target_model, eos_ids: list[int]):
+        self.target = TargetRunner(target_model)
+        self.eos_ids = list(eos_ids)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int | None = 0) -> DecodeResult:
+        tgt, dev = self.target, self.target.device
+        gen = _generator(dev, seed) if temperature > 0 else None
+        ids = torch.tensor([prompt_ids], device=dev)
+        cache = tgt.new_cache()
+        sync(dev)
+        t0 = time.perf_counter()
+        logits, _ = tgt.forward(cache, ids, 0, last_only=True)
+        out, reason = cut_step([_first_token(logits[-1], temperature, gen)], 0, max_new_tokens, self.eos_ids)
+        sync(dev)
+        t1 = time.perf_counter()
+        res = DecodeResult(tokens=out, prompt_tokens=len(prompt_ids))
+        n = len(prompt_ids) + 1
+        while reason is None:
+            logits, _ = tgt.forward(cache, torch.tensor([[out[-1]]], device=dev), n - 1)
+            res.target_forwards += 1
+            kept, reason = cut_step([_first_token(logits[-1], temperature, gen)], len(out), max_new_tokens, self.eos_ids)
+            out.extend(kept)
+            res.committed.append(len(kept))
+            res.committed_raw.append(1)
+            n += 1
+        sync(dev)
+        res.prefill_s, res.decode_s, res.stop_reason = t1 - t0, time.perf_counter() - t1, reason
+        return res
+
+
+class DFlashDecoder:
+    """DFlash speculative decoding with a :class:`~dflashpipe.drafter.model.DFlashDrafter`.
+
+    ``_propose`` (draft step) and ``_accept`` (verification rule) are separate
+    methods so tests can substitute an oracle drafter or a broken verifier.
+    """
+
+    def __init__(self, target_model, drafter, drafter_cfg, eos_ids: list[int]):
+        tc = target_model.config.get_text_config() if hasattr(target_model.config, "get_text_config") else target_model.config
+        if int(tc.hidden_size) != drafter_cfg.hidden_size or int(tc.num_hidden_layers) != drafter_cfg.num_target_layers:
+            raise UserError(
+                f"drafter (hidden {drafter_cfg.hidden_size}, {drafter_cfg.num_target_layers} target layers) does not fit the "
+                f"target (hidden {tc.hidden_size}, {tc.num_hidden_layers} layers)"
+            )
+        if drafter_cfg.mask_token_id >= int(tc.vocab_size):
+            raise UserError(f"drafter mask_token_id {drafter_cfg.mask_token_id} is not a row of the target embedding (vocab {tc.vocab_size})")
+        self.target = TargetRunner(target_model, drafter_cfg.target_layer_ids)
+        self.drafter = drafter
+        self.cfg = drafter_cfg
+        self.bs = int(drafter_cfg.block_size)
+        self.eos_ids = list(eos_ids)
+        self.drafter_dtype = next(drafter.parameters()).dtype
+        self.mask = torch.full((1, self.bs - 1), drafter_cfg.mask_token_id, dtype=torch.long, device=self.target.device)
+
+    # -- one step, split for testing ----------------------------------------
+
+    @torch.no_grad()
+    def _propose(self, dcache, seq: list[int], last: torch.Tensor) -> torch.Tensor:
+        """Draft tokens d_1..d_{bs-1} [bs-1] for the block anchored at ``seq[-1]`` (position len(seq)-1).
+
+        ``last``: [1, 1] tensor of ``seq[-1]`` on the device.
+        """
+        n = len(seq)
+        block = torch.cat([last, self.mask], dim=1)  # [1, bs]
+        pos = torch.arange(n - 1, n - 1 + self.bs, device=block.device).unsqueeze(0)
+        emb = self.target.embed(block).to(self.drafter_dtype)
+        hidden = self.drafter.draft(dcache, emb, pos)  # [1, bs, H]
+        lm_w = self.target.lm_head.weight
+        logits = self.target.lm_head(hidden[:, 1:].to(lm_w.dtype))  # [1, bs-1, V]
+        return logits[0].argmax(dim=-1)
+
+    def _accept(self, draft: torch.Tensor, logits: torch.Tensor, temperature: float, gen) -> tuple[int, list[int]]:
+        """Verification rule. draft [bs-1]; logits [bs, V] (row k predicts the token after block position k).
+
+        Returns (accepted a, committed tokens d_1..d_a + bonus).
+        """
+        if temperature <= 0:
+            # One device->host copy per step: the drafts and the target's argmax.
+            both = torch.cat([draft, logits.argmax(dim=-1)]).tolist()
+            d, y = both[: self.bs - 1], both[self.bs - 1 :]
+            a = _matching_prefix([x == t for x, t in zip(d, y)])
+            return a, d[:a] + [y[a]]
+        probs = torch.softmax(logits / temperature, dim=-1)  # [bs, V]
+        k = torch.arange(self.bs - 1, device=probs.device)
+        u = torch.rand(self.bs - 1, generator=gen, device=probs.device)
+        ok = (u < probs[k, draft]).tolist()
+        a = _matching_prefix(ok)
+        d = draft[:a].tolist()
+        if a < self.bs - 1:  # rejected d_{a+1}: sample from p with it removed, renormalised
+            residual = probs[a].clone()
+            residual[draft[a]] = 0.0
+            if float(residual.sum()) <= 0:  # p(d)=1 numerically; cannot really be rejected
+                residual = probs[a]
+            return a, d + [_sample(residual / residual.sum(), gen)]
+        return a, d + [_sample(probs[-1], gen)]
+
+    # -- the loop -------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int | None = 0) -> DecodeResult:
+        tgt, dev, bs = self.target, self.target.device, self.bs
+        gen = _generator(dev, seed) if temperature > 0 else None
+        ids = torch.tensor([prompt_ids], device=dev)
+        P = len(prompt_ids)
+        cache, dcache = tgt.new_cache(), self.drafter.new_cache()
+        sync(dev)
+        t0 = time.perf_counter()
+        logits, feats = tgt.forward(cache, ids, 0, features=True, last_only=True)
+        self.drafter.extend_context(dcache, feats.to(self.drafter_dtype), torch.arange(P, device=dev).unsqueeze(0))
+        out, reason = cut_step([_first_token(logits[-1], temperature, gen)], 0, max_new_tokens, self.eos_ids)
+        sync(dev)
+        t1 = time.perf_counter()
+        res = DecodeResult(tokens=out, prompt_tokens=P)
+        seq = list(prompt_ids) + out
+        while reason is None:
+            n = len(seq)  # target cache holds n-1 positions; seq[-1] sits at position n-1
+            last = torch.tensor([[seq[-1]]], device=dev)
+            draft = self._propose(dcache, seq, last)
+            logits, feats = tgt.forward(cache, torch.cat([last, draft.view(1, -1)], dim=1), n - 1, features=True)
+            res.target_forwards += 1
+            a, step_tokens = self._accept(draft, logits, temperature, gen)
+            # Keep the verified positions: the anchor and the a accepted drafts.
+            crop_cache(cache, n + a)
+            self.drafter.extend_context(
+                dcache, feats[:, : a + 1].to(self.drafter_dtype), torch.arange(n - 1, n + a, device=dev).unsqueeze(0)
+            )
+            kept, reason = cut_step(step_tokens, len(out), max_new_tokens, self.eos_ids)
+            out.extend(kept)
+            seq.extend(step_tokens)
+            res.accepted.append(a)
+            res.committed.append(len(kept))
+            res.committed_raw.append(len(step_tokens))
+        sync(dev)
+        res.prefill_s, res.decode_s, res.stop_reason = t1 - t0, time.perf_counter() - t1, reason
+        return res
+
+
+def dflash_generate(target_model, drafter, drafter_cfg, prompt_ids, max_new_tokens, temperature=0.0, seed=0, eos_ids=None) -> DecodeResult:
+    """Convenience wrapper: one DFlash response."""
+    return DFlashDecoder(target_model, drafter, drafter_cfg, eos_ids if eos_ids is not None else eos_ids_of(None, target_model)).generate(
+        prompt_ids, max_new_tokens, temperature, seed
+    )
+
+
+def ar_generate(target_model, prompt_ids, max_new_tokens, temperature=0.0, seed=0, eos_ids=None) -> DecodeResult:
+    """Convenience wrapper: one plain autoregressive response in the same harness."""
+    return ARDecoder(target_model, eos_ids if eos_ids is not None else eos_ids_of(None, target_model)).generate(
+        prompt_ids, max_new_tokens, temperature, seed
+    )

@@ -1,0 +1,131 @@
+"""Matplotlib figures of a run: evaluation, training curves, compile times.
+
+Each function reads one table from results/tables/ (so figures and tables
+always agree) and writes one PNG atomically.
+"""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from dflashpipe.atomic import atomic_path  # noqa: E402
+
+METHOD_LABELS = {
+    "dflash": "DFlash",
+    "ar": "autoregressive (same harness)",
+    "hf_generate": "HF generate",
+    "prompt_lookup": "prompt lookup",
+    "assisted": "assisted (small AR draft)",
+}
+
+
+def _save(fig, path: str) -> None:
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+
+
+def training_curves(training_csv: str, loss_png: str, tokens_png: str) -> None:
+    """Loss and top-1 accuracy per shard vs step (with held-out points), and tokens/s per shard."""
+    df = pd.read_csv(training_csv)
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    for k, g in df.groupby("shard"):
+        ax_loss.plot(g["step"], g["loss"], label=f"shard {k} (train batch)", alpha=0.8)
+        ax_acc.plot(g["step"], g["acc"], label=f"shard {k} (train batch)", alpha=0.8)
+    held = df.dropna(subset=["heldout_loss"]).drop_duplicates("step")
+    if len(held):
+        ax_loss.plot(held["step"], held["heldout_loss"], "ko--", label="held-out")
+        ax_acc.plot(held["step"], held["heldout_acc"], "ko--", label="held-out")
+    ax_loss.set(xlabel="optimiser step", ylabel="decayed cross-entropy (nats)", title="Drafter loss")
+    ax_acc.set(xlabel="optimiser step", ylabel="weighted top-1 accuracy", title="Drafter accuracy", ylim=(0, 1))
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    _save(fig, loss_png)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k, g in df.groupby("shard"):
+        ax.plot(g["step"], g["tokens_per_s"], label=f"shard {k}", alpha=0.8)
+    ax.set(xlabel="optimiser step", ylabel="context tokens / s (per shard)", title="Training throughput per shard")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, tokens_png)
+
+
+def compile_times(compile_csv: str, out_png: str) -> None:
+    """Per slot: seconds compiling cold in the warm job vs. the shard's hot start from that cache."""
+    df = pd.read_csv(compile_csv)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    phases = list(dict.fromkeys(df["phase"]))
+    width = 0.8 / max(1, len(phases))
+    for i, phase in enumerate(phases):
+        g = df[df["phase"] == phase]
+        bars = ax.bar(g["slot"] + i * width, g["seconds"], width, label=phase)
+        ax.bar_label(bars, labels=[f"{m} miss" for m in g["cache_misses"]], fontsize=7)
+    slots = sorted(set(df["slot"]))
+    ax.set_xticks([s + width * (len(phases) - 1) / 2 for s in slots])
+    ax.set_xticklabels([f"slot {s}" for s in slots])
+    ax.set(ylabel="seconds (compile / prime every bucket)", title="Compile: cold warm job vs. hot shard start")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    _save(fig, out_png)
+
+
+def tau_speedup(eval_csv: str, out_png: str) -> None:
+    """Bars per dataset and method: tokens per target forward (tau for DFlash) and decode speed-up over AR."""
+    df = pd.read_csv(eval_csv)
+    methods = [m for m in METHOD_LABELS if m in set(df["method"])]
+    datasets = list(dict.fromkeys(df["dataset"]))
+    fig, (ax_tau, ax_sp) = plt.subplots(1, 2, figsize=(12, 4.2))
+    width = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        g = df[df["method"] == m].set_index("dataset").reindex(datasets)
+        xs = [j + i * width for j in range(len(datasets))]
+        b1 = ax_tau.bar(xs, g["tokens_per_target_forward"], width, label=METHOD_LABELS[m])
+        b2 = ax_sp.bar(xs, g["speedup_vs_ar"], width, label=METHOD_LABELS[m])
+        ax_tau.bar_label(b1, fmt="%.2f", fontsize=7)
+        ax_sp.bar_label(b2, fmt="%.2f", fontsize=7)
+    for ax in (ax_tau, ax_sp):
+        ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(datasets))])
+        ax.set_xticklabels(datasets)
+        ax.grid(alpha=0.3, axis="y")
+    ax_tau.set(ylabel="output tokens per target forward (DFlash: tau)", title="Acceptance length")
+    ax_sp.axhline(1.0, color="k", lw=0.8)
+    ax_sp.set(ylabel="decode speed-up over AR (x)", title="Speed-up (same harness, decode only)")
+    ax_sp.legend(fontsize=8)
+    _save(fig, out_png)
+
+
+def per_position(positions_csv: str, out_png: str) -> None:
+    """Per draft position k: P(position k accepted | positions before it accepted)."""
+    df = pd.read_csv(positions_csv)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for d, g in df.groupby("dataset", sort=False):
+        ax.plot(g["position"], g["acceptance_rate"], "o-", label=d)
+    ax.set(xlabel="draft position k in the block", ylabel="P(accept k | accepted < k)", ylim=(0, 1.02),
+           title="Per-position acceptance (DFlash)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, out_png)
+
+
+def histogram(histogram_csv: str, out_png: str) -> None:
+    """Share of verify steps that accepted 0..bs-1 drafted tokens."""
+    df = pd.read_csv(histogram_csv)
+    datasets = list(dict.fromkeys(df["dataset"]))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(1, len(datasets))
+    for i, d in enumerate(datasets):
+        g = df[df["dataset"] == d]
+        ax.bar(g["accepted"] + i * width, g["fraction"], width, label=d)
+    ax.set(xlabel="drafted tokens accepted in a verify step", ylabel="share of verify steps",
+           title="Acceptance-length histogram (DFlash)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    _save(fig, out_png)

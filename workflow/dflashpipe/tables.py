@@ -1,0 +1,88 @@
+"""CSV tables of a run (results/tables/): the numbers behind every plot.
+
+Each table is built from the stages' own outputs (evaluation summaries,
+per-shard metrics, warm stamps, shard summaries) and written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from dflashpipe.atomic import atomic_path
+
+EVAL_COLUMNS = [
+    "n_prompts", "tau_mean", "tau_pooled", "tau_authors_mean", "tau_authors_pooled", "tokens_per_s",
+    "speedup_vs_ar", "tokens_per_target_forward", "decode_tokens", "decode_s", "peak_memory_bytes", "matches_ar",
+]  # fmt: skip
+
+
+def _write_csv(df: pd.DataFrame, path: str) -> None:
+    with atomic_path(path) as tmp:
+        df.to_csv(tmp, index=False)
+
+
+def eval_tables(eval_summaries: dict[str, str]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """(per dataset and method, per-position acceptance, acceptance-length histogram)."""
+    rows, positions, histogram = [], [], []
+    for dataset, path in eval_summaries.items():
+        s = json.loads(Path(path).read_text())
+        lossless = s.get("lossless", {})
+        for method, m in s["methods"].items():
+            rows.append(
+                {
+                    "dataset": dataset,
+                    "method": method,
+                    **{c: m.get(c) for c in EVAL_COLUMNS},
+                    "lossless_passed": lossless.get("passed") if method == "dflash" else None,
+                    "device": s.get("device_name"),
+                    "dtype": s.get("dtype"),
+                }
+            )
+            if method == "dflash":
+                for k, rate in enumerate(m.get("per_position_acceptance", []), start=1):
+                    positions.append({"dataset": dataset, "position": k, "acceptance_rate": rate})
+                counts = m.get("acceptance_histogram", [])
+                total = sum(counts) or 1
+                for a, n in enumerate(counts):
+                    histogram.append({"dataset": dataset, "accepted": a, "steps": n, "fraction": n / total})
+    return pd.DataFrame(rows), pd.DataFrame(positions), pd.DataFrame(histogram)
+
+
+def training_table(metrics_csvs: list[str]) -> pd.DataFrame:
+    frames = []
+    for k, path in enumerate(metrics_csvs):
+        df = pd.read_csv(path)
+        df.insert(0, "shard", k)
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True)
+
+
+def compile_table(stamps: list[str], shard_summaries: list[str]) -> pd.DataFrame:
+    """Per slot: the warm job's compile seconds (cold cache) and the shard's priming seconds (warm cache)."""
+    rows = []
+    for path in stamps:
+        s = json.loads(Path(path).read_text())
+        rows.append({"slot": s["slot"], "phase": "warm job (cold cache)", "seconds": s["compile_seconds"],
+                     "cache_misses": s["counters"]["fxgraph_cache_miss"] + s["counters"]["autograd_cache_miss"]})
+    for k, path in enumerate(shard_summaries):
+        s = json.loads(Path(path).read_text())
+        hot = s.get("hot_start") or {}
+        if hot.get("prime_seconds") is not None:
+            c = hot.get("counters") or {}
+            rows.append({"slot": k, "phase": "training shard (warm cache)", "seconds": hot["prime_seconds"],
+                         "cache_misses": c.get("fxgraph_cache_miss", 0) + c.get("autograd_cache_miss", 0)})
+    return pd.DataFrame(rows, columns=["slot", "phase", "seconds", "cache_misses"])
+
+
+def write_tables(eval_summaries, metrics_csvs, shard_summaries, stamps, out: dict, log=print) -> None:
+    ev, pos, hist = eval_tables(eval_summaries)
+    _write_csv(ev, out["eval"])
+    _write_csv(pos, out["positions"])
+    _write_csv(hist, out["histogram"])
+    _write_csv(training_table(metrics_csvs), out["training"])
+    _write_csv(compile_table(stamps, shard_summaries), out["compile"])
+    cols = ["dataset", "method", "tau_pooled", "tokens_per_s", "speedup_vs_ar", "tokens_per_target_forward"]
+    log("\n" + ev[cols].to_string(index=False))

@@ -1,0 +1,50 @@
+if "assisted" in config["evaluate"]["methods"]:
+
+    rule ar_draft:
+        """A 1-layer autoregressive draft with the target's tokenizer: the assisted-generation peer."""
+        input:
+            tokenized=f"{R}/tokenized/train",
+            target=target_dir(),
+            code=lib_code("ar_draft.py"),
+        output:
+            directory(f"{R}/ar_draft"),
+        params:
+            cfg=config["ar_draft"],
+            seed=config["seed"],
+            slots=SLOTS,
+            lock_dir=LOCK_DIR,
+            lease_timeout_s=config["gpu"]["lease_timeout_s"],
+        threads: config["ar_draft"]["threads"]
+        resources:
+            gpu=1,
+        log:
+            f"{R}/logs/evaluate/ar_draft.log",
+        script:
+            "../scripts/ar_draft.py"
+
+
+rule evaluate:
+    """DFlash speculative decoding vs. AR and peers on one held-out dataset; lossless check."""
+    input:
+        target=target_dir(),
+        drafter=f"{R}/drafter",
+        prompts=prompts_file("{dataset}"),
+        ar_draft=ar_draft_dir(),
+        code=lib_code("evaluate.py"),
+    output:
+        samples=f"{R}/eval/{{dataset}}.samples.parquet",
+        summary=f"{R}/eval/{{dataset}}.summary.json",
+    params:
+        cfg=config["evaluate"],
+        seed=config["seed"],
+        chat_template_kwargs=config["expand"]["chat_template_kwargs"],
+        slots=SLOTS,
+        lock_dir=LOCK_DIR,
+        lease_timeout_s=config["gpu"]["lease_timeout_s"],
+    threads: config["evaluate"]["threads"]
+    resources:
+        gpu=1,
+    log:
+        f"{R}/logs/evaluate/{{dataset}}.log",
+    script:
+        "../scripts/evaluate.py"

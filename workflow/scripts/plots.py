@@ -1,0 +1,10 @@
+from dflashpipe import plots
+from dflashpipe.runtime import job
+
+i, o = snakemake.input, snakemake.output
+with job(snakemake.log[0], name="plots"):
+    plots.tau_speedup(i.eval, o.tau)
+    plots.per_position(i.positions, o.positions)
+    plots.histogram(i.histogram, o.histogram)
+    plots.training_curves(i.training, o.loss, o.tokens)
+    plots.compile_times(i.compile, o.compile)

@@ -1,0 +1,12 @@
+from dflashpipe.runtime import job
+from dflashpipe.tables import write_tables
+
+with job(snakemake.log[0], name="tables") as log:
+    write_tables(
+        eval_summaries=dict(zip(snakemake.params.datasets, snakemake.input.eval)),
+        metrics_csvs=list(snakemake.input.metrics),
+        shard_summaries=list(snakemake.input.shard_summaries),
+        stamps=list(snakemake.input.stamps),
+        out=dict(snakemake.output.items()),
+        log=log,
+    )
