@@ -1,5 +1,4 @@
 import copy
-from pathlib import Path
 
 import pytest
 import yaml

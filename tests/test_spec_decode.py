@@ -240,13 +240,8 @@ def test_baselines_on_micro_target(micro, micro_target, tmp_path):
 
     from conftest import PROMPTS as PROMPT_DIR
     from conftest import read_jsonl_gz
-    from dflashpipe.evaluate.baselines import (
-        ARDraftConfig,
-        assisted_generate,
-        hf_generate,
-        prompt_lookup_generate,
-        train_ar_draft,
-    )
+    from dflashpipe.evaluate.ar_draft import ARDraftConfig, train_ar_draft
+    from dflashpipe.evaluate.baselines import assisted_generate, hf_generate, prompt_lookup_generate
 
     target, tok, _, _ = micro
     chats = [r["messages"] for r in read_jsonl_gz(PROMPT_DIR / "math_train.jsonl.gz", 16)]
@@ -278,7 +273,7 @@ def test_baselines_on_micro_target(micro, micro_target, tmp_path):
 def test_evaluate_dataset_writes_samples_and_summary(micro, micro_target, tmp_path):
     from conftest import PROMPTS as PROMPT_DIR
     from conftest import read_jsonl_gz
-    from dflashpipe.evaluate.baselines import ARDraftConfig, train_ar_draft
+    from dflashpipe.evaluate.ar_draft import ARDraftConfig, train_ar_draft
     from dflashpipe.evaluate.run import evaluate_dataset
 
     target, tok, drafter, cfg = micro

@@ -4,7 +4,6 @@ import json
 
 import datasets
 import pandas as pd
-import pytest
 
 from conftest import REPO, mini_config, planned_rules, snakemake, write_config
 

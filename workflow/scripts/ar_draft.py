@@ -1,6 +1,6 @@
 import dataclasses
 
-from dflashpipe.evaluate.baselines import ARDraftConfig, train_ar_draft
+from dflashpipe.evaluate.ar_draft import ARDraftConfig, train_ar_draft
 from dflashpipe.lease import lease_device
 from dflashpipe.runtime import job
 from dflashpipe.tokenize import load_tokenized

@@ -1,0 +1,63 @@
+"""Evaluate, tables, plots and the HTML report through the real workflow (mini config)."""
+
+import json
+
+import pandas as pd
+
+from conftest import REPO, planned_rules, snakemake
+
+METHODS = {"dflash", "ar", "hf_generate", "prompt_lookup", "assisted"}
+
+
+def test_evaluation_outputs(mini_run):
+    work, _ = mini_run
+    r = work / "results"
+    summary = json.loads((r / "eval/math_heldout.summary.json").read_text())
+    assert set(summary["methods"]) == METHODS
+    assert summary["lossless"]["checked"] and summary["lossless"]["passed"]
+    d = summary["methods"]["dflash"]
+    assert d["tau_pooled"] >= 1 and len(d["per_position_acceptance"]) == 3  # block size 4
+    samples = pd.read_parquet(r / "eval/math_heldout.samples.parquet")
+    assert set(samples["method"]) == METHODS and len(samples) == 2 * len(METHODS)
+
+    ev = pd.read_csv(r / "tables/eval.csv")
+    assert set(ev["method"]) == METHODS and set(ev["dataset"]) == {"math_heldout"}
+    assert (ev.loc[ev["method"] == "ar", "speedup_vs_ar"] - 1).abs().max() < 1e-9
+    assert len(pd.read_csv(r / "tables/per_position_acceptance.csv")) == 3
+    assert pd.read_csv(r / "tables/acceptance_histogram.csv")["steps"].sum() > 0
+    train = pd.read_csv(r / "tables/training.csv")
+    assert set(train["shard"]) == {0, 1}
+    comp = pd.read_csv(r / "tables/compile.csv")
+    assert set(comp["slot"]) == {0, 1}
+    for png in ["tau_speedup", "per_position_acceptance", "acceptance_histogram", "training_loss_acc",
+                "training_tokens_per_s", "compile_cold_vs_hot"]:
+        data = (r / f"plots/{png}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
+
+
+def test_plotting_code_edit_does_not_rerun_training(mini_run):
+    work, cfg = mini_run
+    lib = REPO / "workflow" / "dflashpipe"
+
+    def planned(module):
+        path = lib / module
+        original = path.read_text()
+        try:
+            path.write_text(original + "\n# edited\n")
+            return set(planned_rules(work, "--configfile", str(cfg)))
+        finally:
+            path.write_text(original)
+
+    assert planned("plots.py") == {"plots", "all"}
+    assert planned("tables.py") == {"tables", "plots", "all"}
+    assert planned("evaluate/spec_decode.py") == {"evaluate", "tables", "plots", "all"}
+
+
+def test_html_report(mini_copy):
+    work, cfg = mini_copy
+    res = snakemake(work, "--configfile", str(cfg), "--report", "report.html")
+    assert res.returncode == 0, res.stderr[-2000:]
+    html = (work / "report.html").read_text(errors="ignore")
+    assert len(html) > 10000
+    for caption_word in ["per second", "bonus token", "cache misses"]:
+        assert caption_word in html, caption_word
