@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from dflashpipe.atomic import atomic_path, write_json
+from dflashpipe.errors import UserError
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 
@@ -160,6 +161,70 @@ def format_check(model, tokenizer, prompts: list[list[dict]], max_new_tokens: in
     return {"format_ok": ok / max(1, len(prompts)), "n_prompts": len(prompts), "examples": outs[:3]}
 
 
+def train_lm(model, token_lists: list[list[int]], cfg: TinyTargetConfig, log=print, evaluate=None, desc: str = "lm") -> dict:
+    """Packed next-token training of a causal LM, read top to bottom.
+
+    AdamW (betas 0.9/0.95, weight decay on matrices only), linear warm-up then
+    cosine to ``min_lr_ratio``, grad clip 1.0; stops after ``max_steps`` or, as a
+    safety stop, ``max_minutes``. ``evaluate()`` (optional) is called every
+    ``eval_every`` steps and at the end; its dict joins the returned curve.
+    """
+    from tqdm import tqdm
+
+    rng = random.Random(cfg.seed)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+    windows, cursor, epoch, tokens_seen = pack(token_lists, cfg.seq_len, rng), 0, 0, 0
+    curve, losses, stopped_early = [], [], False
+    t0 = time.time()
+    model.train()
+    bar = tqdm(range(cfg.max_steps), desc=desc, mininterval=10)
+    for step in bar:
+        if cursor + cfg.batch_size > len(windows):
+            windows, cursor, epoch = pack(token_lists, cfg.seq_len, rng), 0, epoch + 1
+        batch = windows[cursor : cursor + cfg.batch_size]
+        cursor += cfg.batch_size
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        # HF shifts the labels itself; the window's last token only serves as the final label.
+        loss = model(batch[:, :-1], labels=batch[:, :-1].clone(), use_cache=False).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        tokens_seen += batch[:, :-1].numel()
+        elapsed = time.time() - t0
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_seen / elapsed:.0f}", refresh=False)
+        stopped_early = elapsed > cfg.max_minutes * 60 and step + 1 < cfg.max_steps
+        last = step + 1 == cfg.max_steps or stopped_early
+        if evaluate is not None and ((step + 1) % cfg.eval_every == 0 or last):
+            point = {"step": step + 1, "epoch": epoch, "train_loss": losses[-1], "minutes": elapsed / 60, **evaluate()}
+            curve.append(point)
+            log(f"step {step + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in point.items() if isinstance(v, float))
+                + f", {tokens_seen / elapsed:.0f} tok/s")
+        if stopped_early:
+            log(f"stopping at step {step + 1}: max_minutes={cfg.max_minutes} reached")
+            break
+    seconds = time.time() - t0
+    if not math.isfinite(losses[-1]):
+        raise UserError(f"{desc}: the loss is {losses[-1]}; lower the learning rate")
+    return {
+        "steps": len(losses),
+        "stopped_early": stopped_early,
+        "train_minutes": seconds / 60,
+        "tokens_per_second": tokens_seen / seconds,
+        "first_loss": losses[0],
+        "final_loss": sum(losses[-10:]) / len(losses[-10:]),
+        "curve": curve,
+    }
+
+
 def train_tiny_target(
     train_chats: list[list[dict]],
     heldout_chats: list[list[dict]],
@@ -169,10 +234,7 @@ def train_tiny_target(
     log=print,
 ) -> dict:
     """Train tokenizer + model, evaluate, and save an HF model directory atomically."""
-    from tqdm import tqdm
-
     t0 = time.time()
-    rng = random.Random(cfg.seed)
     texts = [chat_text(c) for c in train_chats]
     tokenizer = train_tokenizer(texts, cfg.vocab_size)
     token_lists = [tokenizer(t)["input_ids"] for t in texts]
@@ -182,66 +244,19 @@ def train_tiny_target(
     model = build_model(cfg, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: Qwen3 {cfg.num_layers} layers, hidden {cfg.hidden_size}, {n_params / 1e6:.2f}M parameters")
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.95),
-    )
     heldout = heldout_chats[: cfg.eval_rows]
-    curve = []
-    windows = pack(token_lists, cfg.seq_len, rng)
-    cursor, epoch, tokens_seen = 0, 0, 0
-    t_train = time.time()
-    stopped_early = False
-    model.train()
-    bar = tqdm(range(cfg.max_steps), desc="tiny target", mininterval=10)
-    for step in bar:
-        if cursor + cfg.batch_size > len(windows):
-            windows, cursor, epoch = pack(token_lists, cfg.seq_len, rng), 0, epoch + 1
-        batch = windows[cursor : cursor + cfg.batch_size]
-        cursor += cfg.batch_size
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        loss = model(batch[:, :-1], labels=batch[:, :-1].clone(), use_cache=False).loss
-        # HF shifts labels itself; the last window token only serves as the final label.
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        tokens_seen += batch[:, :-1].numel()
-        elapsed = time.time() - t_train
-        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_seen / elapsed:.0f}", refresh=False)
-        last = step + 1 == cfg.max_steps or elapsed > cfg.max_minutes * 60
-        if (step + 1) % cfg.eval_every == 0 or last:
-            ev = heldout_loss(model, tokenizer, heldout)
-            point = {"step": step + 1, "epoch": epoch, "train_loss": loss.item(), "minutes": elapsed / 60, **ev}
-            curve.append(point)
-            log(
-                f"step {step + 1}: train {loss.item():.3f}, held-out {ev['loss_all_tokens']:.3f} "
-                f"(assistant {ev['loss_assistant_tokens']:.3f}), {tokens_seen / elapsed:.0f} tok/s, {elapsed / 60:.1f} min"
-            )
-        if elapsed > cfg.max_minutes * 60:
-            stopped_early = True
-            log(f"stopping at step {step + 1}: max_minutes={cfg.max_minutes} reached")
-            break
-    train_seconds = time.time() - t_train
+    run = train_lm(model, token_lists, cfg, log, evaluate=lambda: heldout_loss(model, tokenizer, heldout), desc="tiny target")
     fmt = format_check(model, tokenizer, [c[:-1] for c in heldout_chats[: cfg.format_check_prompts]])
     log(f"format check: {fmt['format_ok']:.0%} of {fmt['n_prompts']} greedy answers end in '#### <number>'")
     metrics = {
         "config": asdict(cfg),
         "parameters": n_params,
         "train_tokens_per_epoch": n_tokens,
-        "steps": curve[-1]["step"],
-        "stopped_early": stopped_early,
-        "train_minutes": train_seconds / 60,
-        "tokens_per_second": tokens_seen / train_seconds,
-        "heldout_loss": curve[-1]["loss_all_tokens"],
-        "heldout_loss_assistant": curve[-1]["loss_assistant_tokens"],
+        **run,
+        "heldout_loss": run["curve"][-1]["loss_all_tokens"],
+        "heldout_loss_assistant": run["curve"][-1]["loss_assistant_tokens"],
         "format_ok": fmt["format_ok"],
         "format_examples": fmt["examples"],
-        "curve": curve,
         "total_minutes": (time.time() - t0) / 60,
     }
     model.generation_config.eos_token_id = tokenizer.eos_token_id

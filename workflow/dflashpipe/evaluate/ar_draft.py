@@ -7,35 +7,21 @@ Kept apart from the decoding code so that editing one does not rerun the other.
 from __future__ import annotations
 
 import json
-import math
-import random
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from dflashpipe.errors import UserError
+from dflashpipe.tiny_target import TinyTargetConfig, train_lm
 
 
 @dataclass
-class ARDraftConfig:
-    """A 1-2 layer Qwen3 causal LM with the target's tokenizer and vocabulary."""
+class ARDraftConfig(TinyTargetConfig):
+    """A 1-2 layer Qwen3 causal LM with the target's tokenizer and vocabulary (vocab_size is the target's)."""
 
-    num_layers: int = 2
-    hidden_size: int = 256
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 64
-    intermediate_size: int = 768
-    seq_len: int = 512
-    batch_size: int = 8
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
+    num_layers: int = 1
     warmup_steps: int = 20
-    weight_decay: float = 0.1
-    max_steps: int = 400
-    max_minutes: float = 10.0
-    seed: int = 0
+    max_steps: int = 300
 
 
 def _token_lists(items, tokenizer) -> list[list[int]]:
@@ -61,7 +47,6 @@ def train_ar_draft(chats_or_token_lists, target_dir: str, out_dir: str, cfg: ARD
 
     from dflashpipe.atomic import atomic_path
     from dflashpipe.target import load_tokenizer
-    from dflashpipe.tiny_target import lr_at, pack
 
     cfg = cfg or ARDraftConfig()
     if not 1 <= cfg.num_layers:
@@ -91,33 +76,7 @@ def train_ar_draft(chats_or_token_lists, target_dir: str, out_dir: str, cfg: ARD
     )
     torch.manual_seed(cfg.seed)
     model = Qwen3ForCausalLM(mcfg)
-    rng = random.Random(cfg.seed)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95)
-    )
-    windows, cursor = pack(lists, seq_len, rng), 0
-    losses, t0 = [], time.time()
-    model.train()
-    for step in range(cfg.max_steps):
-        if cursor + cfg.batch_size > len(windows):
-            windows, cursor = pack(lists, seq_len, rng), 0
-        batch = windows[cursor : cursor + cfg.batch_size]
-        cursor += cfg.batch_size
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        loss = model(batch[:, :-1], labels=batch[:, :-1].clone(), use_cache=False).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(loss.item())
-        if (step + 1) % 50 == 0:
-            log(f"ar draft step {step + 1}: loss {loss.item():.3f}")
-        if time.time() - t0 > cfg.max_minutes * 60:
-            log(f"ar draft: stopping at step {step + 1}: max_minutes={cfg.max_minutes} reached")
-            break
+    run = train_lm(model, lists, replace(cfg, seq_len=seq_len), log, desc="ar draft")
     model.eval()
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = tok.pad_token_id
@@ -125,13 +84,8 @@ def train_ar_draft(chats_or_token_lists, target_dir: str, out_dir: str, cfg: ARD
         "config": asdict(cfg),
         "parameters": sum(p.numel() for p in model.parameters()),
         "train_tokens": n_tokens,
-        "steps": len(losses),
-        "first_loss": losses[0],
-        "final_loss": sum(losses[-10:]) / len(losses[-10:]),
-        "seconds": time.time() - t0,
+        **run,
     }
-    if not math.isfinite(metrics["final_loss"]):
-        raise UserError(f"train_ar_draft: loss is {metrics['final_loss']}; lower ar_draft.lr")
     with atomic_path(out_dir, is_dir=True) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
