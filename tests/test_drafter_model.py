@@ -72,6 +72,9 @@ def test_default_target_layer_ids():
     assert default_target_layer_ids(8, 5) == [1, 2, 3, 4, 5]
     # too shallow for 1..L-3: spread over 0..L-1, deduplicated
     assert default_target_layer_ids(3, 5) == [0, 1, 2]
+    # shallow targets: [1, L-3] has too few layers, spread over all of them instead (not [1, 1, 1] -> [1])
+    assert default_target_layer_ids(4, 3) == [0, 2, 3]
+    assert default_target_layer_ids(6, 5) == [0, 1, 2, 4, 5]
     assert default_target_layer_ids(2, 5) == [0, 1]
     assert default_target_layer_ids(1, 5) == [0]
     assert default_target_layer_ids(36, 1) == [18]

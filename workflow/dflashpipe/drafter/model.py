@@ -72,9 +72,10 @@ def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
 
     Qwen3-8B (L=36), n=5 -> [1, 9, 17, 25, 33] (the public DFlash reference's
     ``build_target_layer_ids``; ``round`` as there). For n=1 the middle layer.
-    If the target is too shallow for that (L-3 < 1) the ids are spread over
-    [0, L-1] instead. Duplicates are removed, so fewer than ``n`` ids can come
-    back for very shallow targets.
+    If [1, L-3] holds fewer than ``n`` layers (a shallow target) the ids are
+    spread over [0, L-1] instead, so the drafter still sees distinct layers
+    (a 4-layer target, n=3 -> [0, 2, 3]). Duplicates are removed, so fewer than
+    ``n`` ids come back when the target has fewer than ``n`` layers.
     """
     L = int(num_target_layers)
     if L < 1 or n < 1:
@@ -82,7 +83,7 @@ def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
     if n == 1:
         return [L // 2]
     start, end = 1, L - 3
-    if end < start:
+    if end - start + 1 < n:
         start, end = 0, L - 1
     span = end - start
     ids = [int(round(start + i * span / (n - 1))) for i in range(n)]
