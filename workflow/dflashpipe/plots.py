@@ -24,7 +24,8 @@ METHOD_LABELS = {
 
 
 def _save(fig, path: str) -> None:
-    fig.tight_layout()
+    if not fig.get_layout_engine():
+        fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=120)
     plt.close(fig)
@@ -50,8 +51,11 @@ def training_curves(training_csv: str, loss_png: str, tokens_png: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for k, g in df.groupby("shard"):
-        ax.plot(g["step"], g["tokens_per_s"], label=f"shard {k}", alpha=0.8)
-    ax.set(xlabel="optimiser step", ylabel="context tokens / s (per shard)", title="Training throughput per shard")
+        line = ax.plot(g["step"], g["tokens_per_s"], alpha=0.25, lw=0.8)[0]
+        smooth = g["tokens_per_s"].rolling(25, min_periods=1, center=True).mean()
+        ax.plot(g["step"], smooth, color=line.get_color(), lw=2, label=f"shard {k} (25-step mean)")
+    ax.set(xlabel="optimiser step (light: per step; length buckets differ)", ylabel="context tokens / s (per shard)",
+           title="Training throughput per shard")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -98,7 +102,9 @@ def tau_speedup(eval_csv: str, out_png: str) -> None:
     ax_tau.set(ylabel="output tokens per target forward (DFlash: tau)", title="Acceptance length")
     ax_sp.axhline(1.0, color="k", lw=0.8)
     ax_sp.set(ylabel="decode speed-up over AR (x)", title="Speed-up (same harness, decode only)")
-    ax_sp.legend(fontsize=8)
+    handles, labels = ax_tau.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(methods), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     _save(fig, out_png)
 
 

@@ -1,0 +1,122 @@
+"""Dataset expansion (resumable, settings-aware) and tokenization (assistant-only loss mask) on a real micro target."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+from transformers import AutoTokenizer
+
+from conftest import PROMPTS, REPO
+from dflashpipe.data import prepare_prompts
+from dflashpipe.errors import UserError
+from dflashpipe.expand import ExpandSettings, expand_prompts
+from dflashpipe.tokenize import bucket_for, encode_chat, tokenize_expanded
+
+SETTINGS = dict(max_new_tokens=24, batch_size=4, chunk_size=4, temperature=1.0, seed=3)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prompts") / "math.parquet"
+    spec = {"path": str(PROMPTS / "math_train.jsonl.gz"), "messages_column": "messages", "limit": 12}
+    prepare_prompts(spec, "math", str(out))
+    return out
+
+
+def run_expand(prompts, target, out, **overrides):
+    return expand_prompts(str(prompts), str(target), ExpandSettings(**{**SETTINGS, **overrides}), str(out), log=lambda m: None)
+
+
+def test_expansion_output(prompts, micro_target, tmp_path):
+    out = tmp_path / "e.parquet"
+    summary = run_expand(prompts, micro_target, out)
+    df = pd.read_parquet(out)
+    assert summary["rows"] == len(df) == 12
+    assert set(df["finish_reason"]) <= {"stop", "length"}
+    assert (df["num_new_tokens"] <= 24).all()
+    assert (df["temperature"] == 1.0).all() and df["target"].nunique() == 1
+    assert [m[-1]["content"] for m in df["messages"]] == list(df["response"])
+    assert not (tmp_path / "e.parquet.chunks").exists()
+
+
+def test_killed_expansion_resumes_from_its_chunks(prompts, micro_target, tmp_path):
+    """SIGKILL after the first chunk: the rerun reuses it and the result equals an uninterrupted run."""
+    slow = {**SETTINGS, "batch_size": 1, "chunk_size": 2}  # 6 chunks, one prompt at a time
+    clean = tmp_path / "clean.parquet"
+    run_expand(prompts, micro_target, clean, batch_size=1, chunk_size=2)
+    out = tmp_path / "killed.parquet"
+    code = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from dflashpipe.expand import ExpandSettings, expand_prompts\n"
+        "expand_prompts(%r, %r, ExpandSettings(**%r), %r, log=print)\n"
+    ) % (str(REPO / "workflow"), str(prompts), str(micro_target), slow, str(out))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    chunks = tmp_path / "killed.parquet.chunks"
+    deadline = time.time() + 120
+    while not list(chunks.glob("chunk_*.parquet")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = sorted(p.name for p in chunks.glob("chunk_*.parquet"))
+    assert done and not out.exists(), "the kill must land after a chunk and before the end"
+    logs = []
+    expand_prompts(str(prompts), str(micro_target), ExpandSettings(**slow), str(out), log=logs.append)
+    assert any(f"resuming: {len(done)} of 6 chunks" in m for m in logs)
+    a, b = pd.read_parquet(clean), pd.read_parquet(out)
+    assert list(a["response"]) == list(b["response"])  # seeds are per chunk: resuming changes nothing
+
+
+def test_changed_settings_discard_old_chunks(prompts, micro_target, tmp_path):
+    out = tmp_path / "e.parquet"
+    chunks = tmp_path / "e.parquet.chunks"
+    chunks.mkdir()
+    (chunks / "settings.json").write_text(json.dumps({"settings": {"max_new_tokens": 999}}))
+    pd.DataFrame({"x": [1]}).to_parquet(chunks / "chunk_00000.parquet")  # from other settings
+    logs = []
+    expand_prompts(str(prompts), str(micro_target), ExpandSettings(**SETTINGS), str(out), log=logs.append)
+    assert any("settings changed" in m for m in logs)
+    assert "response" in pd.read_parquet(out).columns and len(pd.read_parquet(out)) == 12
+
+
+def test_greedy_with_samples_is_refused(prompts, micro_target, tmp_path):
+    with pytest.raises(UserError, match="num_samples"):
+        run_expand(prompts, micro_target, tmp_path / "x.parquet", temperature=0.0, num_samples=2)
+
+
+def test_loss_mask_covers_exactly_the_assistant_reply(micro_target):
+    tok = AutoTokenizer.from_pretrained(micro_target)
+    chat = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "2+3=5\n#### 5"}]
+    ids, mask, full = encode_chat(tok, chat, max_length=512)
+    assert len(ids) == len(mask) == full
+    reply = [t for t, m in zip(ids, mask) if m]
+    assert tok.decode(reply) == "2+3=5\n#### 5<|im_end|>\n"
+    assert tok.decode([t for t, m in zip(ids, mask) if not m]).endswith("<|im_start|>assistant\n")
+    ids, mask, full = encode_chat(tok, chat, max_length=10)
+    assert len(ids) == 10 and full > 10
+
+
+def test_tokenize_filters_and_counts(micro_target, tmp_path):
+    rows = [
+        {"id": "long", "sample": 0, "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a b c d e f g h i j k l"}]},
+        {"id": "short", "sample": 0, "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        {"id": "empty", "sample": 0, "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]},
+    ]
+    path = tmp_path / "x.parquet"
+    pd.DataFrame(rows).to_parquet(path)
+    stats = tokenize_expanded({"x": str(path)}, str(micro_target), 4, [64, 128], str(tmp_path / "tok"), str(tmp_path / "s.json"), log=lambda m: None)
+    assert stats["samples"] == 1
+    assert stats["dropped"] == {"fewer_than_8_loss_tokens": 1, "empty_response": 1}
+    assert json.loads((tmp_path / "s.json").read_text())["buckets"] == {"64": 1, "128": 0}
+    with pytest.raises(UserError, match="no sample left after filtering"):
+        tokenize_expanded({"x": str(path)}, str(micro_target), 16, [64], str(tmp_path / "tok2"), str(tmp_path / "s2.json"), log=lambda m: None)
+    assert not (tmp_path / "tok2").exists() and not (tmp_path / "s2.json").exists()
+
+
+def test_bucket_for():
+    assert bucket_for(1, [128, 256]) == 128 and bucket_for(128, [128, 256]) == 128 and bucket_for(129, [128, 256]) == 256
