@@ -170,3 +170,14 @@ def mini_copy(mini_run, tmp_path):
     shutil.copytree(work, dst, symlinks=True)
     cfg = dst / "config.yaml"
     return dst, cfg
+
+
+def planned_after_edit(workdir: Path, cfg: Path, module: str) -> set[str]:
+    """Rules a dry run would execute after appending a comment to a library module (restored after)."""
+    path = REPO / "workflow" / "dflashpipe" / module
+    original = path.read_text()
+    try:
+        path.write_text(original + "\n# edited\n")
+        return set(planned_rules(workdir, "--configfile", str(cfg)))
+    finally:
+        path.write_text(original)

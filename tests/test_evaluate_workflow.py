@@ -4,7 +4,7 @@ import json
 
 import pandas as pd
 
-from conftest import REPO, planned_rules, snakemake
+from conftest import planned_after_edit, snakemake
 
 METHODS = {"dflash", "ar", "hf_generate", "prompt_lookup", "assisted"}
 
@@ -37,16 +37,9 @@ def test_evaluation_outputs(mini_run):
 
 def test_plotting_code_edit_does_not_rerun_training(mini_run):
     work, cfg = mini_run
-    lib = REPO / "workflow" / "dflashpipe"
 
     def planned(module):
-        path = lib / module
-        original = path.read_text()
-        try:
-            path.write_text(original + "\n# edited\n")
-            return set(planned_rules(work, "--configfile", str(cfg)))
-        finally:
-            path.write_text(original)
+        return planned_after_edit(work, cfg, module)
 
     assert planned("plots.py") == {"plots", "all"}
     assert planned("tables.py") == {"tables", "plots", "all"}

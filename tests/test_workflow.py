@@ -5,7 +5,7 @@ import json
 import datasets
 import pandas as pd
 
-from conftest import REPO, mini_config, planned_rules, snakemake, write_config
+from conftest import mini_config, planned_after_edit, planned_rules, snakemake, write_config
 
 
 def test_stages_produce_outputs(mini_run):
@@ -41,16 +41,9 @@ def test_rerun_is_a_no_op(mini_run):
 def test_code_edit_reruns_exactly_its_stages(mini_run, tmp_path):
     """An edit to a library module reruns the stages whose scripts import it (transitively), and what follows."""
     work, cfg = mini_run
-    lib = REPO / "workflow" / "dflashpipe"
 
     def planned(module):
-        path = lib / module
-        original = path.read_text()
-        try:
-            path.write_text(original + "\n# edited\n")
-            return set(planned_rules(work, "--configfile", str(cfg)))
-        finally:
-            path.write_text(original)
+        return planned_after_edit(work, cfg, module)
 
     # what follows training (its output changes) and what follows tokenize (the AR draft peer)
     training = {"warm_slot", "train_shard", "train_shard0", "evaluate", "tables", "plots", "all"}

@@ -372,7 +372,7 @@ class DFlashDecoder:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0, seed: int | None = 0) -> DecodeResult:
-        tgt, dev, bs = self.target, self.target.device, self.bs
+        tgt, dev = self.target, self.target.device
         gen = _generator(dev, seed) if temperature > 0 else None
         ids = torch.tensor([prompt_ids], device=dev)
         P = len(prompt_ids)
