@@ -60,13 +60,12 @@ def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chu
     order = sorted(range(len(texts)), key=lambda i: lengths[i])  # less padding per batch
     eos_ids = tokenizer.eos_token_id
     out, new_tokens = [], 0
-    generator_seed = chunk_seed
     for start in range(0, len(order), s.batch_size):
         idx = order[start : start + s.batch_size]
         enc = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         kwargs = dict(max_new_tokens=s.max_new_tokens, pad_token_id=tokenizer.pad_token_id, num_return_sequences=s.num_samples)
         if s.temperature > 0:
-            torch.manual_seed(generator_seed + start)
+            torch.manual_seed(chunk_seed + start)
             kwargs.update(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0)
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)

@@ -87,21 +87,27 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     )
 
 
-def build_model(cfg: TinyTargetConfig, tokenizer):
+def build_model(cfg: TinyTargetConfig, tokenizer, vocab_size: int | None = None, eos_token_id: int | None = None,
+                bos_token_id: int | None = None, max_position_embeddings: int = 4096):
+    """A randomly initialised Qwen3 of ``cfg``'s shapes (seeded), with ``tokenizer``'s special ids.
+
+    ``vocab_size`` defaults to the tokenizer's; a draft for assisted generation
+    passes the target's so both have the same embedding rows.
+    """
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     mcfg = Qwen3Config(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
-        max_position_embeddings=4096,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=tokenizer.eos_token_id if eos_token_id is None else eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(cfg.seed)

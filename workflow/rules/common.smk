@@ -137,7 +137,7 @@ def all_stamps():
 
 def compile_settings():
     """The config that decides compiled code (the warm jobs' params: other keys do not rerun them)."""
-    from dflashpipe.drafter.train import COMPILE_KEYS
+    from dflashpipe.hotstart import COMPILE_KEYS  # light: the DAG build imports no torch
 
     return {"drafter": config["drafter"], "train": {k: config["train"][k] for k in COMPILE_KEYS}}
 

@@ -1,12 +1,9 @@
-import hashlib
-import json
 import os
 
-from dflashpipe.drafter.train import TrainConfig, rendezvous_url, train_shard
+from dflashpipe.drafter.train import TrainConfig, checkpoint_dir, rendezvous_url, train_shard
 from dflashpipe.hotstart import hot_start, use_slot_cache
 from dflashpipe.lease import lease_device
 from dflashpipe.runtime import job
-from dflashpipe.target import target_fingerprint
 
 rank = int(getattr(snakemake.wildcards, "shard", 0))
 p = snakemake.params
@@ -16,11 +13,7 @@ with job(snakemake.log[0], threads=snakemake.threads, name=f"train shard {rank}/
     log(f"leased slot {rank}: device {lease.device} (CUDA_VISIBLE_DEVICES={lease.visible_devices})")
     use_slot_cache(p.cache_root, rank)
     cfg = TrainConfig.from_sections(p.drafter, p.train, p.seed)
-    # Checkpoints are keyed by what they depend on: a config/data/target change starts a fresh
-    # run (the old one stays on disk), a killed job resumes its own.
-    key_src = json.dumps([p.drafter, p.train, p.seed, open(os.path.join(snakemake.input.tokenized, "state.json")).read(),
-                          target_fingerprint(snakemake.input.target)], sort_keys=True)
-    ckpt_dir = os.path.join(p.run_dir, "checkpoints", hashlib.sha256(key_src.encode()).hexdigest()[:12])
+    ckpt_dir = checkpoint_dir(p.run_dir, [p.drafter, p.train, p.seed], snakemake.input.tokenized, snakemake.input.target)
     train_shard(
         cfg,
         snakemake.input.tokenized,

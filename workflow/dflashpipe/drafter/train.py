@@ -105,9 +105,6 @@ class TrainConfig:
         return cls(**values)
 
 
-#: Keys of the ``train`` section that decide compiled shapes (the warm jobs get only these).
-COMPILE_KEYS = ("num_anchors", "batch_size", "loss_chunk_size", "attention", "compile_flex", "dtype")
-
 #: Fields that do not change what is computed; a checkpoint may differ in them.
 OPERATIONAL_FIELDS = ("checkpoint_every", "eval_every", "dist_timeout_s", "compile_flex")
 
@@ -248,6 +245,22 @@ def make_batch(rows: dict, seq_len: int, seeds: list[int], pad_id: int, setup: S
 # ---------------------------------------------------------------------------
 # Distributed helpers
 # ---------------------------------------------------------------------------
+
+
+def checkpoint_dir(run_dir: str, sections: list, tokenized_dir: str, target_dir: str) -> str:
+    """``run_dir/checkpoints/<key>``, keyed by what the checkpoints depend on.
+
+    ``sections`` are the config parts that define the run (drafter, train, seed);
+    the tokenized data enters through its ``datasets`` fingerprint (state.json),
+    the target through :func:`dflashpipe.target.target_fingerprint`. A config,
+    data or target change starts a fresh run (the old one stays on disk); a
+    killed job finds and resumes its own.
+    """
+    from dflashpipe.target import target_fingerprint
+
+    state = (Path(tokenized_dir) / "state.json").read_text()
+    key = json.dumps([sections, state, target_fingerprint(target_dir)], sort_keys=True, default=str)
+    return str(Path(run_dir) / "checkpoints" / hashlib.sha256(key.encode()).hexdigest()[:12])
 
 
 def rendezvous_url(rdzv_dir: str, run_id: str) -> str:

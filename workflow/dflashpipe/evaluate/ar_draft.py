@@ -9,10 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 
-import torch
-
 from dflashpipe.errors import UserError
-from dflashpipe.tiny_target import TinyTargetConfig, train_lm
+from dflashpipe.tiny_target import TinyTargetConfig, build_model, train_lm
 
 
 @dataclass
@@ -43,7 +41,7 @@ def train_ar_draft(chats_or_token_lists, target_dir: str, out_dir: str, cfg: ARD
     dataset's ``input_ids``). Returns training metrics (also written to
     ``ar_draft_metrics.json`` in the directory).
     """
-    from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoConfig
 
     from dflashpipe.atomic import atomic_path
     from dflashpipe.target import load_tokenizer
@@ -60,22 +58,14 @@ def train_ar_draft(chats_or_token_lists, target_dir: str, out_dir: str, cfg: ARD
     if seq_len < 8:
         raise UserError(f"train_ar_draft: only {n_tokens} training tokens; need at least {9 * cfg.batch_size}")
     eos = tok.eos_token_id if tok.eos_token_id is not None else getattr(tcfg, "eos_token_id", None)
-    mcfg = Qwen3Config(
+    model = build_model(
+        cfg,
+        tok,
         vocab_size=int(tcfg.vocab_size),  # same rows as the target: assisted generation requires it
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 4096)),
-        tie_word_embeddings=True,
-        bos_token_id=getattr(tcfg, "bos_token_id", None),
         eos_token_id=eos,
-        pad_token_id=tok.pad_token_id,
+        bos_token_id=getattr(tcfg, "bos_token_id", None),
+        max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 4096)),
     )
-    torch.manual_seed(cfg.seed)
-    model = Qwen3ForCausalLM(mcfg)
     run = train_lm(model, lists, replace(cfg, seq_len=seq_len), log, desc="ar draft")
     model.eval()
     model.generation_config.eos_token_id = eos
