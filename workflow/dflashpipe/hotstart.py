@@ -28,7 +28,7 @@ from dflashpipe.errors import UserError
 
 #: Keys of the config's ``train`` section that decide compiled shapes: the warm jobs get
 #: only these (with the ``drafter`` section), so e.g. a new learning rate does not rewarm.
-COMPILE_KEYS = ("num_anchors", "batch_size", "loss_chunk_size", "attention", "compile_flex", "dtype")
+COMPILE_KEYS = ("num_anchors", "batch_size", "loss_chunk_size", "attention", "compile", "dtype")
 
 # Library modules whose source decides the compiled training step.
 TRAIN_STEP_MODULES = ["drafter.train", "drafter.model", "drafter.masks", "drafter.loss", "drafter.features"]

@@ -17,6 +17,39 @@ from __future__ import annotations
 import torch
 
 
+def _chunk_stats(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor, need_grad: bool):
+    """One chunk: (sum w*CE, sum w*correct, d(sum w*CE)/d logits or None).
+
+    logits [c, V] in the LM head's dtype, y [c] long, w [c] fp32; the math runs in
+    fp32 and the gradient comes back in the logits' dtype. Compiled (see
+    :func:`use_compiled_ce`), this is one or two fused passes over the logits
+    instead of a dozen eager kernels each reading or writing a [c, V] fp32 tensor.
+    """
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    tgt = x.gather(1, y[:, None])[:, 0]
+    loss_sum = ((lse - tgt) * w).sum()
+    correct = ((x.argmax(dim=-1) == y).float() * w).sum()
+    if not need_grad:
+        return loss_sum, correct, None
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == y[:, None]
+    g = (torch.exp(x - lse[:, None]) - onehot.float()) * w[:, None]  # w * (softmax - onehot)
+    return loss_sum, correct, g.to(logits.dtype)
+
+
+#: How a chunk is reduced; ``COMPILED_CE`` pads the last chunk to the chunk size
+#: so that every chunk has one shape (one graph, no recompiles).
+CHUNK_STATS = _chunk_stats
+COMPILED_CE = False
+
+
+def use_compiled_ce(enabled: bool = True) -> None:
+    """Compile the per-chunk CE (static shape: the last chunk is padded with weight-0 rows)."""
+    global CHUNK_STATS, COMPILED_CE
+    CHUNK_STATS = torch.compile(_chunk_stats, dynamic=False) if enabled else _chunk_stats
+    COMPILED_CE = enabled
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """(h [M, H], W [V, H], labels [M], w [M] float, chunk) -> (sum_i w_i*CE_i, sum_i w_i*[argmax_i == label_i])."""
 
@@ -30,22 +63,22 @@ class _ChunkedLinearCE(torch.autograd.Function):
         for s in range(0, h.shape[0], chunk_size):
             hc = h[s : s + chunk_size].to(weight.dtype)  # the LM head runs in its own dtype
             yc, wc = labels[s : s + chunk_size], w[s : s + chunk_size].float()
-            logits = (hc @ weight.t()).float()  # [c, V]
-            lse = torch.logsumexp(logits, dim=-1)
-            tgt = logits.gather(1, yc[:, None])[:, 0]
-            loss_sum += ((lse - tgt) * wc).sum()
-            correct += ((logits.argmax(dim=-1) == yc).float() * wc).sum()
-            if need_h or need_w:
-                # d(sum w*CE)/d logits = w * (softmax - onehot)
-                g = torch.softmax(logits, dim=-1)
-                g[torch.arange(g.shape[0], device=g.device), yc] -= 1.0
-                g *= wc[:, None]
-                if need_h:
-                    grad_h[s : s + chunk_size] = (g.to(weight.dtype) @ weight).to(h.dtype)
-                if need_w:
-                    grad_w += g.t() @ hc.float()
-                del g
+            n = hc.shape[0]
+            if COMPILED_CE and n < chunk_size:  # one static shape for the compiled chunk
+                pad = chunk_size - n
+                hc = torch.cat([hc, hc.new_zeros(pad, hc.shape[1])])
+                yc, wc = torch.cat([yc, yc.new_zeros(pad)]), torch.cat([wc, wc.new_zeros(pad)])
+            logits = hc @ weight.t()  # [c, V]
+            lsum, csum, g = CHUNK_STATS(logits, yc, wc, need_h or need_w)
+            loss_sum += lsum
+            correct += csum
             del logits
+            if g is not None:
+                if need_h:
+                    grad_h[s : s + n] = (g[:n] @ weight).to(h.dtype)
+                if need_w:
+                    grad_w += g[:n].float().t() @ hc[:n].float()
+                del g
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
         ctx.has = (need_h, need_w)
         ctx.w_dtype = weight.dtype

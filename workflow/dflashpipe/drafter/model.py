@@ -62,6 +62,41 @@ def use_compiled_flex_attention(**compile_kwargs):
     return fn
 
 
+def _block_layer(layer, h, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, attn):
+    """One drafter layer of the training forward: project the context K/V, run the block."""
+    ctx_k, ctx_v = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
+    return layer(h, ctx_k, ctx_v, blk_cos, blk_sin, attn)
+
+
+#: How the training forward runs one layer: eager by default, or one compiled
+#: graph shared by all layers (see :func:`use_compiled_layers`).
+LAYER_FN = _block_layer
+
+
+def use_compiled_layers(**compile_kwargs):
+    """Compile the training forward per layer ("regional" compile), flex_attention inside.
+
+    The layers are identical in structure, so all of them share ONE graph (per
+    shape and grad mode); Inductor fuses the RMSNorms, RoPE and SwiGLU and its
+    partitioner saves fewer activations for the backward than eager does. The
+    flex handle is reset to the raw op, which Dynamo traces into the graph.
+    """
+    global LAYER_FN
+    set_flex_attention(flex_attention)
+    # one graph per (bucket, grad mode, first layer or not): raise Dynamo's per-code limit
+    # (8) so many buckets still fit; a shard still fails on any recompile after priming
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    LAYER_FN = torch.compile(_block_layer, **compile_kwargs)
+    return LAYER_FN
+
+
+def use_eager_layers() -> None:
+    """Back to eager layers and eager flex_attention (switching modes within one process)."""
+    global LAYER_FN
+    LAYER_FN = _block_layer
+    set_flex_attention(flex_attention)
+
+
 # ---------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------
@@ -413,8 +448,7 @@ class DFlashDrafter(nn.Module):
         blk_cos, blk_sin = cos[:, :, S:], sin[:, :, S:]
         h = block_embeds
         for layer in self.layers:
-            ctx_k, ctx_v = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
-            h = layer(h, ctx_k, ctx_v, blk_cos, blk_sin, attn)
+            h = LAYER_FN(layer, h, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, attn)
         return self.norm(h)
 
     # -- inference ----------------------------------------------------------

@@ -54,10 +54,16 @@ from dflashpipe.atomic import atomic_path, torch_save, write_json
 from dflashpipe.errors import UserError
 
 from .export import save_drafter
-from .features import context_features
-from .loss import decayed_ce
+from .features import context_features, trim_unused_layers, use_compiled_target_layers
+from .loss import decayed_ce, use_compiled_ce
 from .masks import block_mask, block_position_ids, build_block_inputs, default_gamma, dense_mask, sample_anchors
-from .model import DFlashDrafter, DrafterConfig, use_compiled_flex_attention
+from .model import (
+    DFlashDrafter,
+    DrafterConfig,
+    use_compiled_flex_attention,
+    use_compiled_layers,
+    use_eager_layers,
+)
 
 # ---------------------------------------------------------------------------
 # Config
@@ -85,7 +91,7 @@ class TrainConfig:
     heldout_samples: int = 64  # deterministic held-out split of the tokenized data (by hash of id)
     seed: int = 0
     attention: str = "auto"  # auto: flex on CUDA, sdpa (dense mask) on CPU
-    compile_flex: bool = True  # compile flex_attention on CUDA
+    compile: str = "layers"  # flex path (CUDA): layers | flex (flex_attention alone) | none (guard stops it)
     dtype: str = "auto"  # auto: bf16 autocast on CUDA with fp32 master weights; fp32 on CPU
     dist_timeout_s: float = 300.0
 
@@ -106,7 +112,7 @@ class TrainConfig:
 
 
 #: Fields that do not change what is computed; a checkpoint may differ in them.
-OPERATIONAL_FIELDS = ("checkpoint_every", "eval_every", "dist_timeout_s", "compile_flex")
+OPERATIONAL_FIELDS = ("checkpoint_every", "eval_every", "dist_timeout_s", "compile")
 
 METRIC_FIELDS = (
     "step", "epoch", "loss", "acc", "lr", "grad_norm", "tokens_per_s",
@@ -159,9 +165,28 @@ def resolve_setup(cfg: TrainConfig, device: str, mask_token_id: int, layer_ids: 
 
 
 def setup_attention(setup: Setup, cfg: TrainConfig) -> None:
-    """Install the flex_attention callable a shard uses (compiled on CUDA unless compile_flex=False)."""
-    if setup.attention == "flex" and cfg.compile_flex:
-        use_compiled_flex_attention(dynamic=False)  # one graph per bucket shape
+    """Install how a shard runs its layers on the flex (CUDA) path; SDPA (CPU) runs eager.
+
+    ``layers``: the drafter's layers (flex_attention inside), the target's
+    layers and the loss chunks are compiled graphs, one each shared by all
+    layers (norms, RoPE, SwiGLU, softmax-CE fused); ``flex``: only
+    flex_attention is compiled; ``none``: nothing is (flex_attention then falls
+    back to its dense path, which the hot-start guard stops). Shapes are
+    static: one graph per bucket.
+    """
+    use_eager_layers()
+    use_compiled_target_layers(False)
+    use_compiled_ce(False)
+    if setup.attention != "flex" or cfg.compile == "none":
+        return
+    if cfg.compile == "layers":
+        use_compiled_layers(dynamic=False)
+        use_compiled_target_layers()
+        use_compiled_ce()
+    elif cfg.compile == "flex":
+        use_compiled_flex_attention(dynamic=False)
+    else:
+        raise UserError(f"train.compile: {cfg.compile!r} is not one of layers, flex, none")
 
 
 # ---------------------------------------------------------------------------
@@ -309,14 +334,20 @@ def all_reduce_(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 
 def all_reduce_grads_(params: list[torch.Tensor]) -> None:
-    """SUM the gradients of all ranks, in one flat buffer (one collective)."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    offset = 0
-    for p, g in zip(params, grads):
-        p.grad = flat[offset : offset + g.numel()].view_as(p)
-        offset += g.numel()
+    """SUM the gradients of all ranks in place: one collective per tensor, all in flight at once.
+
+    No flat buffer: for a Qwen3-8B-sized drafter that would be one more fp32
+    copy of every gradient (~4 GB) at the step's peak. One rank: nothing to do.
+    """
+    if dist.get_world_size() == 1:
+        return
+    works = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        works.append(dist.all_reduce(p.grad, async_op=True))
+    for w in works:
+        w.wait()
 
 
 def check_same_on_all_ranks(**values: int) -> None:
@@ -343,8 +374,16 @@ def lr_at(step: int, total_steps: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def forward_loss(drafter, target, batch: Batch, setup: Setup):
-    """Local (sum w*CE, sum w*correct, sum w) of one batch. Loss sum carries the gradient."""
+def _no_mark(phase: str) -> None:
+    pass
+
+
+def forward_loss(drafter, target, batch: Batch, setup: Setup, mark=_no_mark):
+    """Local (sum w*CE, sum w*correct, sum w) of one batch. Loss sum carries the gradient.
+
+    ``mark(phase)`` is called after the target forward and after the drafter
+    forward + loss (the benchmark times phases with it; a no-op otherwise).
+    """
     S, bs = batch.input_ids.shape[1], setup.block_size
     with torch.no_grad():
         # Right padding: real tokens never see the pad after them, so no attention mask.
@@ -354,6 +393,7 @@ def forward_loss(drafter, target, batch: Batch, setup: Setup):
         )
         block_embeds = target.get_input_embeddings()(block_ids)
         position_ids = block_position_ids(batch.anchors, S, bs)
+    mark("target_forward")
     if setup.attention == "flex":
         attn = block_mask(batch.anchors, batch.keep, S, bs, device=setup.device)
     else:
@@ -367,28 +407,33 @@ def forward_loss(drafter, target, batch: Batch, setup: Setup):
         hidden = drafter(block_embeds, target_hidden, position_ids, attn)
     lm_head = target.get_output_embeddings().weight
     ce_sum, correct = decayed_ce(hidden, lm_head, labels, weights, setup.loss_chunk_size, reduction="sum")
+    mark("drafter_forward")
     return ce_sum, correct, weights.sum()
 
 
-def train_step(drafter, target, opt, batch: Batch, lr: float, setup: Setup) -> dict:
+def train_step(drafter, target, opt, batch: Batch, lr: float, setup: Setup, mark=_no_mark) -> dict:
     """One optimiser step of this rank on its slice of the global batch (collectives inside).
 
     Returns global (all-ranks) loss, acc, weight and the pre-clip global grad norm.
+    ``mark(phase)``: see :func:`forward_loss`; also called after the backward
+    (+ gradient all-reduce) and after the optimiser.
     """
     params = [p for p in drafter.parameters() if p.requires_grad]
     for group in opt.param_groups:
         group["lr"] = lr
     opt.zero_grad(set_to_none=True)
-    ce_sum, correct, w_sum = forward_loss(drafter, target, batch, setup)
+    ce_sum, correct, w_sum = forward_loss(drafter, target, batch, setup, mark)
     stats = all_reduce_(torch.stack([ce_sum.detach(), correct, w_sum]).float())  # global sums
     w_global = stats[2].clamp(min=1e-6)
     (ce_sum / w_global).backward()  # summed over ranks below: d(global weighted mean)
     all_reduce_grads_(params)
+    mark("backward")
     if setup.grad_clip > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, setup.grad_clip)
     else:
         grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
     opt.step()
+    mark("optimizer")
     loss, acc, gn = (stats[0] / w_global).item(), (stats[1] / w_global).item(), grad_norm.item()
     return {"loss": loss, "acc": acc, "grad_norm": gn, "weight": stats[2].item()}
 
@@ -433,7 +478,8 @@ def compile_signature(cfg: TrainConfig, dcfg: DrafterConfig, setup: Setup, bucke
         "num_anchors": cfg.num_anchors,
         "loss_chunk_size": cfg.loss_chunk_size,
         "attention": setup.attention,
-        "compiled_flex": setup.attention == "flex" and cfg.compile_flex,
+        "compile": cfg.compile if setup.attention == "flex" else "none",
+        "compiled_flex": setup.attention == "flex" and cfg.compile != "none",
         "dtype": "bf16" if setup.autocast_dtype else "fp32",
         "buckets": sorted(int(b) for b in set(buckets.tolist())),
     }
@@ -570,6 +616,9 @@ def build(cfg: TrainConfig, target_dir: str, dev: torch.device):
         target.config, cfg.num_layers, cfg.block_size, int(mask_id), cfg.target_layer_ids
     )
     setup = resolve_setup(cfg, str(dev), dcfg.mask_token_id, dcfg.target_layer_ids)
+    trim_unused_layers(target, dcfg.target_layer_ids)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
     setup_attention(setup, cfg)
     torch.manual_seed(cfg.seed)

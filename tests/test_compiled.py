@@ -1,0 +1,95 @@
+"""The compiled training paths (``train.compile: layers``) compute what the eager ones do.
+
+On the GPU a shard runs the drafter layers, the target layers and the loss
+chunks as compiled graphs. The same code compiles on the CPU (Inductor's C++
+backend, SDPA instead of flex_attention), so these tests check it here: values
+and gradients equal to eager, ONE graph shared by all layers, and trimming the
+target's unused layers changes no feature.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from dflashpipe.drafter import features, loss, model
+from dflashpipe.drafter.features import context_features, trim_unused_layers
+from dflashpipe.drafter.loss import decayed_ce
+from dflashpipe.drafter.masks import block_position_ids, dense_mask, sample_anchors
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def eager_afterwards():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    model.use_eager_layers()
+    features.use_compiled_target_layers(False)
+    loss.use_compiled_ce(False)
+    torch._dynamo.reset()
+
+
+def test_compiled_drafter_layers_match_eager_and_share_one_graph():
+    cfg = model.DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=8, vocab_size=50, mask_token_id=49, num_target_layers=4, num_hidden_layers=3,
+                              block_size=4)
+    torch.manual_seed(0)
+    drafter = model.DFlashDrafter(cfg)
+    S, N, bs = 24, 3, 4
+    g = torch.Generator().manual_seed(0)
+    anchors, keep = sample_anchors(torch.ones(1, S, dtype=torch.bool), N, bs, g)
+    args = (torch.randn(1, N * bs, 32), torch.randn(1, S, 32 * len(cfg.target_layer_ids)),
+            block_position_ids(anchors, S, bs), dense_mask(anchors, keep, S, bs))
+
+    def run():
+        drafter.zero_grad(set_to_none=True)
+        out = drafter(*args)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), [p.grad.clone() for p in drafter.parameters()]
+
+    ref, ref_grads = run()
+    model.use_compiled_layers(dynamic=False)
+    out, grads = run()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    # three layers, two graphs: the first layer's input needs no grad, the others' do
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_compiled_loss_chunks_match_eager_with_a_padded_last_chunk():
+    torch.manual_seed(0)
+    hidden, W = torch.randn(2, 11, 16), torch.randn(40, 16) * 0.5
+    labels, weights = torch.randint(0, 40, (2, 11)), torch.rand(2, 11)
+    weights[0, :2] = 0
+
+    def run():
+        h = hidden.clone().requires_grad_()
+        value, acc = decayed_ce(h, W, labels, weights, chunk_size=8)  # 20 rows: chunks 8, 8, 4 (padded)
+        value.backward()
+        return value.detach(), acc, h.grad
+
+    ref = run()
+    loss.use_compiled_ce()
+    got = run()
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1  # the padded last chunk reuses the graph
+
+
+def test_compiled_target_layers_and_trimming_keep_the_features(micro_target):
+    from dflashpipe.target import load_target
+
+    target, _ = load_target(str(micro_target))
+    ids = torch.randint(5, target.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    ref = context_features(target, ids, None, [0, 1])  # eager; equal to HF's hidden_states (test_train)
+    features.use_compiled_target_layers()
+    torch.testing.assert_close(context_features(target, ids, None, [0, 1]), ref, atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1  # both layers share one graph
+    # the deepest tap is layer 0: layer 1 is dropped, and layer 0 stays pre-norm
+    assert trim_unused_layers(target, [0]) == 1 and len(target.model.layers) == 1
+    torch.testing.assert_close(context_features(target, ids, None, [0]), ref[..., : target.config.hidden_size],
+                               atol=1e-5, rtol=1e-5)
