@@ -64,12 +64,12 @@ def build_inputs(work: Path, a) -> None:
     datasets.Dataset.from_list(rows).save_to_disk(str(work / "tokenized"))
 
 
-def train_config(a, compile_flex=True):
+def train_config(a, compile=None):
     from dflashpipe.drafter.train import TrainConfig
 
     return TrainConfig(num_layers=5, block_size=16, num_anchors=a.anchors, batch_size=a.batch_size,
                        max_steps=a.steps, heldout_samples=a.batch_size, checkpoint_every=10_000,
-                       compile_flex=compile_flex, dist_timeout_s=120)
+                       compile=compile or a.compile, dist_timeout_s=120)
 
 
 def phase(name: str, work: Path, a) -> dict:
@@ -91,7 +91,7 @@ def phase(name: str, work: Path, a) -> dict:
 
         forbid_dense_flex()
     try:
-        s = train_shard(train_config(a, compile_flex=(name != "dense")), str(work / "tokenized"), str(work / "target"),
+        s = train_shard(train_config(a, compile="none" if name == "dense" else None), str(work / "tokenized"), str(work / "target"),
                         str(work / f"ckpt_{name}"), 0, 1, f"file://{work}/rdzv_{name}_{time.time_ns()}", a.device,
                         str(work / f"metrics_{name}.csv"), str(work / f"summary_{name}.json"), log=lambda m: None,
                         hot_start=guard)
@@ -116,6 +116,7 @@ def main(argv=None) -> int:
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--phases", default="cold,warm,hot,dense")
+    p.add_argument("--compile", default="layers", choices=["layers", "flex"], help="train.compile of the shards")
     p.add_argument("--out", default=None)
     p.add_argument("--work", default=None, help="working directory (default: a temp dir)")
     p.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # internal: run one phase
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
     summary = {
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0) if a.device.startswith("cuda") else "cpu",
-        "shapes": {k: getattr(a, k) for k in ("hidden", "layers", "heads", "kv_heads", "buckets", "anchors", "batch_size")},
+        "shapes": {k: getattr(a, k) for k in ("hidden", "layers", "heads", "kv_heads", "buckets", "anchors", "batch_size", "compile")},
         "phases": results,
         "hot_over_cold": (hot / cold) if cold and hot else None,
     }
