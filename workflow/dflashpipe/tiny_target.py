@@ -185,6 +185,7 @@ def train_lm(model, token_lists: list[list[int]], cfg: TinyTargetConfig, log=pri
         lr=cfg.lr,
         betas=(0.9, 0.95),
     )
+    device = next(model.parameters()).device  # batches follow the model (CPU or a leased GPU)
     windows, cursor, epoch, tokens_seen = pack(token_lists, cfg.seq_len, rng), 0, 0, 0
     curve, losses, stopped_early = [], [], False
     t0 = time.time()
@@ -193,7 +194,7 @@ def train_lm(model, token_lists: list[list[int]], cfg: TinyTargetConfig, log=pri
     for step in bar:
         if cursor + cfg.batch_size > len(windows):
             windows, cursor, epoch = pack(token_lists, cfg.seq_len, rng), 0, epoch + 1
-        batch = windows[cursor : cursor + cfg.batch_size]
+        batch = windows[cursor : cursor + cfg.batch_size].to(device)
         cursor += cfg.batch_size
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)

@@ -11,5 +11,5 @@ with job(snakemake.log[0], threads=snakemake.threads, name="ar_draft") as log:
     known = {f.name for f in dataclasses.fields(ARDraftConfig)}
     cfg = ARDraftConfig(**{k: v for k, v in p.cfg.items() if k in known}, seed=p.seed)
     token_lists = load_tokenized(snakemake.input.tokenized)["input_ids"]
-    metrics = train_ar_draft(token_lists, snakemake.input.target, snakemake.output[0], cfg, log=log)
+    metrics = train_ar_draft(token_lists, snakemake.input.target, snakemake.output[0], cfg, log=log, device=lease.device)
     log(f"AR draft: {metrics}")

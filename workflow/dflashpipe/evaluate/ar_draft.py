@@ -33,7 +33,8 @@ def _token_lists(items, tokenizer) -> list[list[int]]:
     return [t for t in out if t]
 
 
-def train_ar_draft(chats_or_token_lists, target_dir: str, out_dir: str, cfg: ARDraftConfig | None = None, log=print) -> dict:
+def train_ar_draft(chats_or_token_lists, target_dir: str, out_dir: str, cfg: ARDraftConfig | None = None, log=print,
+                   device: str = "cpu") -> dict:
     """Train a small Qwen3 causal LM on the drafter's data; save an HF model dir (atomic) with the target's tokenizer.
 
     ``chats_or_token_lists``: expanded chats (lists of {role, content}) or token
@@ -66,8 +67,8 @@ def train_ar_draft(chats_or_token_lists, target_dir: str, out_dir: str, cfg: ARD
         bos_token_id=getattr(tcfg, "bos_token_id", None),
         max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 4096)),
     )
-    run = train_lm(model, lists, replace(cfg, seq_len=seq_len), log, desc="ar draft")
-    model.eval()
+    run = train_lm(model.to(device), lists, replace(cfg, seq_len=seq_len), log, desc="ar draft")
+    model.to("cpu").eval()
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = tok.pad_token_id
     metrics = {
