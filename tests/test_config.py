@@ -72,3 +72,23 @@ def test_error_is_one_line():
     with pytest.raises(UserError) as e:
         check(cfg)
     assert "\n" not in str(e.value)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """Snakemake's --configfile overlay: nested dicts merge, other values replace."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
+
+
+def test_example_configs_are_valid():
+    eight = check(yaml.safe_load((REPO / "config/qwen3_8b_8gpu.yaml").read_text()))
+    assert eight["train"]["shards"] == eight["gpu"]["slots"] == 8 and eight["train"]["compile"] == "layers"
+    base = yaml.safe_load((REPO / "config/config.yaml").read_text())
+    one_gpu = check(_merge(base, yaml.safe_load((REPO / "config/gpu_1x_tiny.yaml").read_text())))
+    assert one_gpu["gpu"]["slots"] == 1 and one_gpu["target"]["path"] == "gpu_inputs/tiny_target"
+    assert one_gpu["datasets"] == check(base)["datasets"]  # the overlay changes only what it names
+    bad = _merge(base, {"train": {"compile": "everything"}})
+    with pytest.raises(UserError, match=r"train.compile: 'everything' is not one of"):
+        check(bad)
