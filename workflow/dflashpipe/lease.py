@@ -500,3 +500,17 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def lease_for_job(config: dict, slot: int | None = None, **kwargs) -> DeviceLease:
+    """:func:`lease_device` with the workflow config's ``gpu`` section.
+
+    Jobs read these settings at run time instead of taking them as rule
+    params: where the slots' locks live, how many there are and how long to
+    wait for one decide where a job runs, not what it computes, so changing
+    them must not rerun finished jobs.
+    """
+    gpu = config["gpu"]
+    lock_dir = gpu.get("lock_dir") or os.path.join(config["results"], "locks")
+    return lease_device(lock_dir, gpu["slots"], slot=slot, timeout_s=gpu["lease_timeout_s"], **kwargs)
+

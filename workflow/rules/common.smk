@@ -89,7 +89,6 @@ import uuid
 
 SLOTS = config["gpu"]["slots"]
 SHARDS = config["train"]["shards"]
-LOCK_DIR = config["gpu"]["lock_dir"] or f"{R}/locks"
 CACHE_ROOT = f"{R}/compile_cache"
 
 # One id per invocation of the workflow, inherited by its jobs (also through a
@@ -129,6 +128,21 @@ def previous_stamp(wildcards):
     """warm_slot{i} waits for warm_slot{i-1}: no two compiles ever overlap."""
     slot = int(wildcards.slot)
     return [warm_stamp(slot - 1)] if slot > 0 else []
+
+
+#: ``train`` keys that change how a run is operated, not what it computes: jobs read them
+#: from the config at run time, so changing them reruns nothing and a killed run resumes
+#: from its checkpoints (which are keyed by the other keys).
+TRAIN_RUNTIME_KEYS = ("threads", "checkpoint_every", "dist_timeout_s")
+
+
+def train_params():
+    return {k: v for k, v in config["train"].items() if k not in TRAIN_RUNTIME_KEYS}
+
+
+def ar_draft_params():
+    """The AR draft's config without its run-time keys (a safety stop and threads)."""
+    return {k: v for k, v in config["ar_draft"].items() if k not in ("threads", "max_minutes")}
 
 
 def all_stamps():

@@ -9,11 +9,8 @@ if "assisted" in config["evaluate"]["methods"]:
         output:
             directory(f"{R}/ar_draft"),
         params:
-            cfg=config["ar_draft"],
+            cfg=ar_draft_params(),
             seed=config["seed"],
-            slots=SLOTS,
-            lock_dir=LOCK_DIR,
-            lease_timeout_s=config["gpu"]["lease_timeout_s"],
         threads: config["ar_draft"]["threads"]
         resources:
             gpu=1,
@@ -38,9 +35,6 @@ rule evaluate:
         cfg=config["evaluate"],
         seed=config["seed"],
         chat_template_kwargs=config["expand"]["chat_template_kwargs"],
-        slots=SLOTS,
-        lock_dir=LOCK_DIR,
-        lease_timeout_s=config["gpu"]["lease_timeout_s"],
     threads: config["evaluate"]["threads"]
     resources:
         gpu=1,

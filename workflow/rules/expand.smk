@@ -9,9 +9,7 @@ rule expand_shard:
     params:
         settings=config["expand"],
         n_shards=config["expand"]["shards"],
-        slots=SLOTS,
-        lock_dir=LOCK_DIR,
-        lease_timeout_s=config["gpu"]["lease_timeout_s"],
+        seed=config["seed"] if config["expand"]["temperature"] > 0 else 0,  # greedy: no rerun on a new seed
     threads: config["expand"]["threads"]
     resources:
         gpu=1,
@@ -30,6 +28,7 @@ rule merge_expanded:
         code=lib_code("merge_expanded.py"),
     output:
         f"{R}/expanded/{{dataset}}.parquet",
+    threads: config["threads"]
     log:
         f"{R}/logs/expand/{{dataset}}.merge.log",
     script:

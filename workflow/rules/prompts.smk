@@ -7,6 +7,7 @@ rule prompts:
         prompts_file("{dataset}"),
     params:
         spec=dataset_spec,
+    threads: config["threads"]
     log:
         f"{R}/logs/prompts/{{dataset}}.log",
     wildcard_constraints:

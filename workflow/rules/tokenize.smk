@@ -12,6 +12,7 @@ rule tokenize:
         block_size=config["drafter"]["block_size"],
         buckets=config["tokenize"]["buckets"],
         chat_template_kwargs=config["expand"]["chat_template_kwargs"],
+    threads: config["threads"]
     log:
         f"{R}/logs/tokenize/tokenize.log",
     script:

@@ -10,12 +10,9 @@ rule train_shard:
         metrics=f"{R}/train/shard{{shard}}.metrics.csv",
     params:
         drafter=config["drafter"],
-        train=config["train"],
+        train=train_params(),
         seed=config["seed"],
-        slots=SLOTS,
-        lock_dir=LOCK_DIR,
         cache_root=CACHE_ROOT,
-        lease_timeout_s=config["gpu"]["lease_timeout_s"],
         run_dir=f"{R}/train",
     threads: config["train"]["threads"]
     resources:

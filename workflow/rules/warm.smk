@@ -11,10 +11,7 @@ rule warm_slot:
         compile=compile_settings(),
         seed=config["seed"],
         torch=torch_version(),
-        slots=SLOTS,
-        lock_dir=LOCK_DIR,
         cache_root=CACHE_ROOT,
-        lease_timeout_s=config["gpu"]["lease_timeout_s"],
     threads: config["train"]["threads"]
     resources:
         gpu=1,

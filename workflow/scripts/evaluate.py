@@ -1,11 +1,11 @@
 from dflashpipe.evaluate.run import evaluate_dataset
-from dflashpipe.lease import lease_device
+from dflashpipe.lease import lease_for_job
 from dflashpipe.runtime import job
 
 p = snakemake.params
 cfg = p.cfg
 with job(snakemake.log[0], threads=snakemake.threads, name=f"evaluate {snakemake.wildcards.dataset}") as log:
-    lease = lease_device(p.lock_dir, p.slots, timeout_s=p.lease_timeout_s)
+    lease = lease_for_job(snakemake.config)
     log(f"leased slot {lease.slot}: device {lease.device}")
     evaluate_dataset(
         snakemake.input.target,

@@ -1,15 +1,16 @@
 import dataclasses
 
 from dflashpipe.expand import ExpandSettings, expand_prompts
-from dflashpipe.lease import lease_device
+from dflashpipe.lease import lease_for_job
 from dflashpipe.runtime import job
 
 with job(snakemake.log[0], threads=snakemake.threads, name=f"expand {snakemake.wildcards.dataset} shard {snakemake.wildcards.shard}") as log:
     p = snakemake.params
-    lease = lease_device(p.lock_dir, p.slots, timeout_s=p.lease_timeout_s)  # any free GPU slot
+    lease = lease_for_job(snakemake.config)  # any free GPU slot
     log(f"leased slot {lease.slot}: device {lease.device}")
     fields = {f.name for f in dataclasses.fields(ExpandSettings)}
-    settings = ExpandSettings(**{k: v for k, v in snakemake.params.settings.items() if k in fields})
+    values = {**snakemake.params.settings, "seed": snakemake.params.seed}
+    settings = ExpandSettings(**{k: v for k, v in values.items() if k in fields})
     expand_prompts(
         snakemake.input.prompts,
         snakemake.input.target,

@@ -1,6 +1,6 @@
 from dflashpipe.expand import merge_shards
 from dflashpipe.runtime import job
 
-with job(snakemake.log[0], name=f"merge {snakemake.wildcards.dataset}") as log:
+with job(snakemake.log[0], threads=snakemake.threads, name=f"merge {snakemake.wildcards.dataset}") as log:
     n = merge_shards(list(snakemake.input.shards), snakemake.output[0])
     log(f"{n} rows from {len(snakemake.input.shards)} shard(s)")

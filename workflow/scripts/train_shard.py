@@ -2,17 +2,18 @@ import os
 
 from dflashpipe.drafter.train import TrainConfig, checkpoint_dir, rendezvous_url, train_shard
 from dflashpipe.hotstart import hot_start, use_slot_cache
-from dflashpipe.lease import lease_device
+from dflashpipe.lease import lease_for_job
 from dflashpipe.runtime import job
 
 rank = int(getattr(snakemake.wildcards, "shard", 0))
 p = snakemake.params
 shards = p.train["shards"]
 with job(snakemake.log[0], threads=snakemake.threads, name=f"train shard {rank}/{shards}") as log:
-    lease = lease_device(p.lock_dir, p.slots, slot=rank, timeout_s=p.lease_timeout_s)
+    lease = lease_for_job(snakemake.config, slot=rank)
     log(f"leased slot {rank}: device {lease.device} (CUDA_VISIBLE_DEVICES={lease.visible_devices})")
     use_slot_cache(p.cache_root, rank)
-    cfg = TrainConfig.from_sections(p.drafter, p.train, p.seed)
+    runtime = {k: v for k, v in snakemake.config["train"].items() if k not in p.train}  # threads, checkpoint_every, ...
+    cfg = TrainConfig.from_sections(p.drafter, {**p.train, **runtime}, p.seed)
     ckpt_dir = checkpoint_dir(p.run_dir, [p.drafter, p.train, p.seed], snakemake.input.tokenized, snakemake.input.target)
     train_shard(
         cfg,

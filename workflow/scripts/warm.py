@@ -2,14 +2,14 @@ import time
 
 from dflashpipe.drafter.train import TrainConfig, warm_compile
 from dflashpipe.hotstart import use_slot_cache, write_stamp
-from dflashpipe.lease import lease_device
+from dflashpipe.lease import lease_for_job
 from dflashpipe.runtime import job
 
 slot = int(snakemake.wildcards.slot)
 p = snakemake.params
 with job(snakemake.log[0], threads=snakemake.threads, name=f"warm_slot{slot}") as log:
     started = time.time()
-    lease = lease_device(p.lock_dir, p.slots, slot=slot, timeout_s=p.lease_timeout_s)
+    lease = lease_for_job(snakemake.config, slot=slot)
     log(f"leased slot {slot}: device {lease.device} (CUDA_VISIBLE_DEVICES={lease.visible_devices})")
     cache = use_slot_cache(p.cache_root, slot)
     cfg = TrainConfig.from_sections(p.compile["drafter"], p.compile["train"], p.seed)
