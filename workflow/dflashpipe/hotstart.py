@@ -111,6 +111,9 @@ def cache_counters() -> dict:
         "fxgraph_cache_miss": int(counters["inductor"]["fxgraph_cache_miss"]),
         "autograd_cache_hit": int(counters["aot_autograd"]["autograd_cache_hit"]),
         "autograd_cache_miss": int(counters["aot_autograd"]["autograd_cache_miss"]),
+        # graphs the caches refused to store or load (compiled afresh every time)
+        "fxgraph_cache_bypass": int(counters["inductor"]["fxgraph_cache_bypass"]),
+        "autograd_cache_bypass": int(counters["aot_autograd"]["autograd_cache_bypass"]),
     }
 
 
@@ -183,6 +186,9 @@ class HotStartGuard:
         log(f"hot-start check after priming every bucket: {counters}")
         if not self.enforce:
             return counters
+        bypass = counters["fxgraph_cache_bypass"] + counters["autograd_cache_bypass"]
+        if bypass:  # not a stale cache, but compile work the warm job could not take over
+            log(f"WARNING: {bypass} graph(s) bypassed the compile caches and were compiled in this shard")
         if misses:
             raise UserError(
                 f"shard was not hot: {misses} compile cache miss(es) while priming; {self.stamp_path} does not "
@@ -198,15 +204,16 @@ def hot_start(stamp_path: str, device: str):
     """The ``hot_start`` callable for :func:`dflashpipe.drafter.train.train_shard`.
 
     Given the shard's compile signature it checks the slot's stamp (one line
-    naming the stale part otherwise), forbids dense flex_attention when flex is
-    compiled, and returns the guard that checks the counters after priming.
+    naming the stale part otherwise), forbids dense flex_attention on the flex
+    path (so ``train.compile: none`` stops at the first call), and returns the
+    guard that checks the counters after priming.
     Compile-free runs (CPU SDPA) are checked against the stamp too, but have no
     counters to prove.
     """
 
     def start(signature: dict) -> HotStartGuard:
         check_stamp(stamp_path, fingerprint_parts(signature, device))
-        if signature.get("compiled_flex"):
+        if signature.get("attention") == "flex":  # also with compile: none, which then stops here
             forbid_dense_flex()
         return HotStartGuard(stamp_path, enforce=bool(signature.get("compiled_flex")))
 

@@ -116,13 +116,17 @@ def trim_unused_layers(target, layer_ids) -> int:
     """Drop the target's decoder layers after ``max(layer_ids)`` (training never runs them).
 
     Frees their memory (for Qwen3-8B with the default taps, 2 of 36 layers,
-    ~0.8 GB in bf16). Only for the standard layout, whose fast path
+    ~0.8 GB in bf16). Only where the fast path runs (standard layout, layer
+    types it can mask), whose fast path
     (:func:`context_features`) stops at the deepest tapped layer anyway; the
     trimmed model is for feature extraction only, not for generation.
     Returns the number of layers dropped.
     """
     if not has_standard_layout(target):
         return 0
+    types = getattr(target.model.config, "layer_types", None) or ["full_attention"]
+    if any(t not in ("full_attention", "sliding_attention") for t in types):
+        return 0  # the HF fallback would run, and it needs every layer (its last output is post-norm)
     inner, keep = target.model, max(int(i) for i in layer_ids) + 1
     dropped = len(inner.layers) - keep
     if dropped > 0:

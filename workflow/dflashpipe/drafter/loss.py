@@ -17,11 +17,12 @@ from __future__ import annotations
 import torch
 
 
-def _chunk_stats(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor, need_grad: bool):
+def _chunk_stats(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor, need_grad: bool, fp32_grad: bool = False):
     """One chunk: (sum w*CE, sum w*correct, d(sum w*CE)/d logits or None).
 
     logits [c, V] in the LM head's dtype, y [c] long, w [c] fp32; the math runs in
-    fp32 and the gradient comes back in the logits' dtype. Compiled (see
+    fp32 and the gradient comes back in the logits' dtype (fp32 with
+    ``fp32_grad``, for accumulating an LM-head weight gradient). Compiled (see
     :func:`use_compiled_ce`), this is one or two fused passes over the logits
     instead of a dozen eager kernels each reading or writing a [c, V] fp32 tensor.
     """
@@ -34,7 +35,7 @@ def _chunk_stats(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor, need_gr
         return loss_sum, correct, None
     onehot = torch.arange(x.shape[1], device=x.device)[None, :] == y[:, None]
     g = (torch.exp(x - lse[:, None]) - onehot.float()) * w[:, None]  # w * (softmax - onehot)
-    return loss_sum, correct, g.to(logits.dtype)
+    return loss_sum, correct, g if fp32_grad else g.to(logits.dtype)
 
 
 #: How a chunk is reduced; ``COMPILED_CE`` pads the last chunk to the chunk size
@@ -69,15 +70,15 @@ class _ChunkedLinearCE(torch.autograd.Function):
                 hc = torch.cat([hc, hc.new_zeros(pad, hc.shape[1])])
                 yc, wc = torch.cat([yc, yc.new_zeros(pad)]), torch.cat([wc, wc.new_zeros(pad)])
             logits = hc @ weight.t()  # [c, V]
-            lsum, csum, g = CHUNK_STATS(logits, yc, wc, need_h or need_w)
+            lsum, csum, g = CHUNK_STATS(logits, yc, wc, need_h or need_w, need_w)
             loss_sum += lsum
             correct += csum
             del logits
             if g is not None:
                 if need_h:
-                    grad_h[s : s + n] = (g[:n] @ weight).to(h.dtype)
+                    grad_h[s : s + n] = (g[:n].to(weight.dtype) @ weight).to(h.dtype)
                 if need_w:
-                    grad_w += g[:n].float().t() @ hc[:n].float()
+                    grad_w += g[:n].t() @ hc[:n].float()
                 del g
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
         ctx.has = (need_h, need_w)

@@ -75,7 +75,7 @@ class TrainConfig:
     num_layers: int = 5  # drafter layers
     block_size: int = 16
     num_anchors: int = 512  # N anchors per sequence, padded with keep=False
-    target_layer_ids: list[int] | None = None  # None: default_target_layer_ids(L, 5)
+    target_layer_ids: list[int] | None = None  # None: default_target_layer_ids(L, num_layers)
     mask_token_id: int | None = None  # None: tokenizer.mask_token_id, else error
     batch_size: int = 4  # sequences per shard per step
     epochs: float = 6.0
@@ -93,7 +93,7 @@ class TrainConfig:
     attention: str = "auto"  # auto: flex on CUDA, sdpa (dense mask) on CPU
     compile: str = "layers"  # flex path (CUDA): layers | flex (flex_attention alone) | none (guard stops it)
     dtype: str = "auto"  # auto: bf16 autocast on CUDA with fp32 master weights; fp32 on CPU
-    dist_timeout_s: float = 300.0
+    dist_timeout_s: float = 600.0
 
 
     @classmethod
@@ -339,13 +339,12 @@ def all_reduce_grads_(params: list[torch.Tensor]) -> None:
     No flat buffer: for a Qwen3-8B-sized drafter that would be one more fp32
     copy of every gradient (~4 GB) at the step's peak. One rank: nothing to do.
     """
+    for p in params:
+        if p.grad is None:  # every rank steps every parameter, as one process would
+            p.grad = torch.zeros_like(p)
     if dist.get_world_size() == 1:
         return
-    works = []
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        works.append(dist.all_reduce(p.grad, async_op=True))
+    works = [dist.all_reduce(p.grad, async_op=True) for p in params]
     for w in works:
         w.wait()
 
@@ -451,6 +450,10 @@ def prime_buckets(drafter, target, ds, buckets: np.ndarray, cfg: TrainConfig, se
     Returns seconds per bucket.
     """
     seconds = {}
+    # per bucket up to 3 graphs per compiled function (first drafter layer, the others, no-grad
+    # eval): lift Dynamo's per-function limit so no bucket ever falls back to eager
+    n_buckets = len(set(buckets.tolist()))
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * n_buckets + 8)
     for b in sorted(set(buckets.tolist())):
         t0 = time.time()
         idx = np.flatnonzero(buckets == b)[: cfg.batch_size]
@@ -636,8 +639,12 @@ def warm_compile(cfg: TrainConfig, tokenized_dir: str, target_dir: str, device: 
     """
     from dflashpipe.tokenize import load_tokenized
 
+    from dflashpipe.hotstart import forbid_dense_flex
+
     dev = _resolve_device(device)
     target, tokenizer, dcfg, setup, drafter, opt, pad_id = build(cfg, target_dir, dev)
+    if setup.attention == "flex":  # never materialise the dense scores, here either
+        forbid_dense_flex()
     ds = load_tokenized(tokenized_dir)
     buckets = np.asarray(ds["bucket"], dtype=np.int64)
     seconds = prime_buckets(drafter, target, ds, buckets, cfg, setup, pad_id, log)
