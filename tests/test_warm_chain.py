@@ -85,6 +85,15 @@ def test_drafter_config_change_invalidates_stamps_but_lr_does_not(mini_run):
     assert "warm_slot" not in changed and {"train_shard0", "train_shard"} <= set(changed)
 
 
+def test_operational_settings_rerun_nothing(mini_run):
+    work, _ = mini_run
+    cfg = mini_config()
+    cfg["train"].update(checkpoint_every=7, threads=2, dist_timeout_s=99)
+    cfg["gpu"].update(lease_timeout_s=5, lock_dir=str(work / "other_locks"))
+    cfg["ar_draft"] = {**cfg.get("ar_draft", {}), "max_minutes": 3.0, "threads": 2}
+    assert planned_rules(work, "--configfile", str(write_config(work / "ops.yaml", cfg))) == {}
+
+
 def test_stale_stamp_makes_the_shard_fail_with_the_reason(mini_copy):
     work, cfg = mini_copy
     stamp_path = work / "results/warm/slot1.json"
