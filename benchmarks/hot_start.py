@@ -9,7 +9,10 @@ measures it with the pipeline's own functions, each phase in a FRESH process:
 2. ``warm``:  the warm job (``warm_compile``) fills a new cache dir; writes the stamp.
 3. ``hot``:   a shard on that cache, with the hot-start guard (stamp check, zero
               misses after priming every bucket, then fail_on_recompile).
-4. ``dense``: (GPU) the same shard with flex_attention NOT compiled: the guard must
+4. ``seeded``: the NEXT slot's warm job: its cache is seeded from the ``warm``
+              phase's (slot 0's) with the pipeline's ``seed_slot_cache``, as the warm
+              chain does, so it should load every graph (hits) instead of compiling.
+5. ``dense``: (GPU) the same shard with flex_attention NOT compiled: the guard must
               stop the dense path with an error instead of materialising scores.
 
 The setup is synthetic but real: a randomly initialised Qwen3 target saved as an
@@ -74,18 +77,21 @@ def train_config(a, compile=None):
 
 def phase(name: str, work: Path, a) -> dict:
     """Run one phase in THIS (fresh) process."""
-    from dflashpipe.hotstart import hot_start, use_slot_cache, write_stamp  # no torch import yet
-
-    cache = use_slot_cache(work / f"cache_{'hot' if name in ('warm', 'hot') else name}", 0)
-    from dflashpipe.drafter.train import train_shard, warm_compile
+    from dflashpipe.hotstart import hot_start, seed_slot_cache, use_slot_cache, write_stamp  # no torch import yet
 
     t0 = time.time()
-    if name == "warm":
+    slot = 1 if name == "seeded" else 0
+    cache_root = work / f"cache_{'hot' if name in ('warm', 'hot', 'seeded') else name}"
+    seeded = seed_slot_cache(cache_root, slot)  # the warm chain's step; nothing for slot 0
+    cache = use_slot_cache(cache_root, slot)
+    from dflashpipe.drafter.train import train_shard, warm_compile
+
+    if name in ("warm", "seeded"):
         out = warm_compile(train_config(a), str(work / "tokenized"), str(work / "target"), a.device, log=lambda m: None)
-        stamp = write_stamp(str(work / "stamp.json"), out["signature"], a.device, cache, out["bucket_seconds"], 0)
+        stamp = write_stamp(str(work / f"stamp{slot}.json"), out["signature"], a.device, cache, out["bucket_seconds"], slot)
         return {"phase": name, "wall_s": time.time() - t0, "compile_seconds": stamp["compile_seconds"],
-                "counters": stamp["counters"]}
-    guard = hot_start(str(work / "stamp.json"), a.device) if name == "hot" else None
+                "files_seeded": seeded, "counters": stamp["counters"]}
+    guard = hot_start(str(work / "stamp0.json"), a.device) if name == "hot" else None
     if name == "dense":  # no stamp can match an uncompiled run: install the dense guard alone
         from dflashpipe.hotstart import forbid_dense_flex
 
@@ -115,7 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--samples", type=int, default=16)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--phases", default="cold,warm,hot,dense")
+    p.add_argument("--phases", default="cold,warm,hot,seeded,dense")
     p.add_argument("--compile", default="layers", choices=["layers", "flex"], help="train.compile of the shards")
     p.add_argument("--out", default=None)
     p.add_argument("--work", default=None, help="working directory (default: a temp dir)")

@@ -1,6 +1,7 @@
 """The serial compile-warm chain, stamps and hot-start proof, through real Snakemake runs on CPU slots."""
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -126,3 +127,20 @@ def test_too_few_gpu_slots_for_the_shards_is_refused_at_dag_time(mini_run):
     res = snakemake(work, "-n", "--configfile", str(cfg), "--resources", "gpu=1")
     assert res.returncode != 0
     assert "train.shards is 2 but --resources gpu=1" in res.stderr
+
+
+def test_next_slot_cache_is_seeded_from_the_previous_one(tmp_path):
+    from dflashpipe.hotstart import seed_slot_cache, slot_cache_dirs
+
+    prev, mine = slot_cache_dirs(tmp_path, 0), slot_cache_dirs(tmp_path, 1)
+    for key, name in (("TORCHINDUCTOR_CACHE_DIR", "fxgraph/ab/entry"), ("TRITON_CACHE_DIR", "KX/kernel.cubin")):
+        (Path(prev[key]) / name).parent.mkdir(parents=True)
+        (Path(prev[key]) / name).write_text("slot0")
+    own = Path(mine["TORCHINDUCTOR_CACHE_DIR"]) / "fxgraph/ab/entry"
+    own.parent.mkdir(parents=True)
+    own.write_text("slot1's own")
+    assert seed_slot_cache(tmp_path, 0) == 0  # slot 0 has no predecessor
+    assert seed_slot_cache(tmp_path, 1) == 1  # only the missing file is copied
+    assert own.read_text() == "slot1's own"
+    assert (Path(mine["TRITON_CACHE_DIR"]) / "KX/kernel.cubin").read_text() == "slot0"
+    assert seed_slot_cache(tmp_path, 1) == 0  # idempotent: a rerun of the warm job copies nothing

@@ -22,6 +22,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
 from pathlib import Path
 
 from dflashpipe.errors import UserError
@@ -47,6 +48,33 @@ def use_slot_cache(cache_root: str | os.PathLike, slot: int) -> dict[str, str]:
         Path(value).mkdir(parents=True, exist_ok=True)
         os.environ[key] = value
     return env
+
+
+def seed_slot_cache(cache_root: str | os.PathLike, slot: int) -> int:
+    """Copy what slot ``slot - 1``'s warm job compiled into slot ``slot``'s cache (call before compiling).
+
+    The warm chain runs slot after slot, so the previous slot's cache is
+    complete and nobody writes to it any more. Compiled artefacts are keyed by
+    the code, the shapes, the versions and the GPU model, not by the GPU index
+    (every job sees its GPU as cuda:0): on a node of identical GPUs warm job i
+    then LOADS every graph (cache hits) instead of compiling it again, and still
+    proves it on its own GPU; a different GPU model misses and compiles. Files
+    already there are kept (cache entries are content-addressed). Returns the
+    number of files copied; 0 for slot 0.
+    """
+    if slot <= 0:
+        return 0
+    copied = 0
+    src_dirs, dst_dirs = slot_cache_dirs(cache_root, slot - 1), slot_cache_dirs(cache_root, slot)
+    for key, src in src_dirs.items():
+        src, dst = Path(src), Path(dst_dirs[key])
+        for f in sorted(src.rglob("*")) if src.is_dir() else []:
+            target = dst / f.relative_to(src)
+            if f.is_file() and not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, target)
+                copied += 1
+    return copied
 
 
 def _version(dist: str) -> str | None:

@@ -63,7 +63,8 @@ def training_curves(training_csv: str, loss_png: str, tokens_png: str) -> None:
 
 
 def compile_times(compile_csv: str, out_png: str) -> None:
-    """Per slot: seconds compiling cold in the warm job vs. the shard's hot start from that cache."""
+    """Per slot: seconds of the warm job (compiling, or loading what the previous slot compiled)
+    vs. the shard's hot start from that cache; bars labelled with cache misses."""
     df = pd.read_csv(compile_csv)
     fig, ax = plt.subplots(figsize=(7, 4))
     phases = list(dict.fromkeys(df["phase"]))
@@ -75,7 +76,7 @@ def compile_times(compile_csv: str, out_png: str) -> None:
     slots = sorted(set(df["slot"]))
     ax.set_xticks([s + width * (len(phases) - 1) / 2 for s in slots])
     ax.set_xticklabels([f"slot {s}" for s in slots])
-    ax.set(ylabel="seconds (compile / prime every bucket)", title="Compile: cold warm job vs. hot shard start")
+    ax.set(ylabel="seconds (compile / prime every bucket)", title="Compile: warm jobs vs. hot shard start")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
     _save(fig, out_png)

@@ -65,7 +65,7 @@ def compile_table(stamps: list[str], shard_summaries: list[str]) -> pd.DataFrame
     rows = []
     for path in stamps:
         s = json.loads(Path(path).read_text())
-        rows.append({"slot": s["slot"], "phase": "warm job (cold cache)", "seconds": s["compile_seconds"],
+        rows.append({"slot": s["slot"], "phase": "warm job", "seconds": s["compile_seconds"],
                      "cache_misses": s["counters"]["fxgraph_cache_miss"] + s["counters"]["autograd_cache_miss"]})
     for k, path in enumerate(shard_summaries):
         s = json.loads(Path(path).read_text())

@@ -1,7 +1,7 @@
 import time
 
 from dflashpipe.drafter.train import TrainConfig, warm_compile
-from dflashpipe.hotstart import use_slot_cache, write_stamp
+from dflashpipe.hotstart import seed_slot_cache, use_slot_cache, write_stamp
 from dflashpipe.lease import lease_for_job
 from dflashpipe.runtime import job
 
@@ -11,6 +11,9 @@ with job(snakemake.log[0], threads=snakemake.threads, name=f"warm_slot{slot}") a
     started = time.time()
     lease = lease_for_job(snakemake.config, slot=slot)
     log(f"leased slot {slot}: device {lease.device} (CUDA_VISIBLE_DEVICES={lease.visible_devices})")
+    seeded = seed_slot_cache(p.cache_root, slot)
+    if seeded:
+        log(f"seeded the cache with {seeded} files compiled by warm_slot{slot - 1}")
     cache = use_slot_cache(p.cache_root, slot)
     cfg = TrainConfig.from_sections(p.compile["drafter"], p.compile["train"], p.seed)
     out = warm_compile(cfg, snakemake.input.tokenized, snakemake.input.target, lease.device, log=log)
