@@ -323,8 +323,9 @@ def init_dist(init_method: str, rank: int, world_size: int, device: torch.device
         raise UserError(
             f"train shard {rank}: only some of the {world_size} shards joined the rendezvous {init_method} "
             f"(timed out after {timeout_s:.0f} s: {detail}); likely causes: --resources gpu (or --cores) is smaller "
-            f"than the number of shards, so they cannot all run at once, or a stale rendezvous file left by a killed "
-            f"run (delete it and rerun)"
+            f"than the number of shards, so they cannot all run at once; only this shard is being rerun while its "
+            f"peers finished earlier (rerun them all: --forcerun train_shard train_shard0); or a stale rendezvous "
+            f"file left by a killed run (delete it and rerun)"
         ) from None
 
 
