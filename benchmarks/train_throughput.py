@@ -19,8 +19,9 @@ Reported:
 * MFU: model matmul FLOPs per step / step time / the bf16 matmul peak measured
   on the same GPU (8192^3).
 
-``--compile`` is the pipeline's ``train.compile``: ``layers`` (default: each
-drafter layer one compiled graph, flex_attention inside), ``flex`` (only
+``--compile`` is the pipeline's ``train.compile``: ``layers`` (default: the
+drafter layers with flex_attention inside, the target layers and the loss
+chunks compiled, one graph shared by all layers of a kind), ``flex`` (only
 flex_attention compiled) or ``none`` (uncompiled flex_attention: the dense-flex
 guard must stop the step with an error instead of materialising the scores).
 
