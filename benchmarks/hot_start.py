@@ -92,10 +92,6 @@ def phase(name: str, work: Path, a) -> dict:
         return {"phase": name, "wall_s": time.time() - t0, "compile_seconds": stamp["compile_seconds"],
                 "files_seeded": seeded, "counters": stamp["counters"]}
     guard = hot_start(str(work / "stamp0.json"), a.device) if name == "hot" else None
-    if name == "dense":  # no stamp can match an uncompiled run: install the dense guard alone
-        from dflashpipe.hotstart import forbid_dense_flex
-
-        forbid_dense_flex()
     try:
         s = train_shard(train_config(a, compile="none" if name == "dense" else None), str(work / "tokenized"), str(work / "target"),
                         str(work / f"ckpt_{name}"), 0, 1, f"file://{work}/rdzv_{name}_{time.time_ns()}", a.device,

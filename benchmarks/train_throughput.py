@@ -122,7 +122,6 @@ def main(argv=None) -> int:
     from dflashpipe.drafter.features import trim_unused_layers
     from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
     from dflashpipe.drafter.train import TrainConfig, _resolve_device, init_dist, make_batch, resolve_setup, setup_attention, train_step
-    from dflashpipe.hotstart import forbid_dense_flex
 
     cuda = a.device.startswith("cuda")
     shapes = TINY if a.tiny else QWEN3_8B
@@ -138,9 +137,7 @@ def main(argv=None) -> int:
     cfg = TrainConfig(num_layers=a.layers, block_size=bs, num_anchors=N, batch_size=1, compile=a.compile)
     setup = resolve_setup(cfg, a.device, mask_id, dcfg.target_layer_ids)
     dropped = trim_unused_layers(target, dcfg.target_layer_ids)
-    setup_attention(setup, cfg)
-    if setup.attention == "flex":
-        forbid_dense_flex()
+    setup_attention(setup, cfg)  # on the flex path: dense flex_attention calls raise
     mem = {}
     if cuda:
         torch.cuda.empty_cache()

@@ -232,17 +232,15 @@ def hot_start(stamp_path: str, device: str):
     """The ``hot_start`` callable for :func:`dflashpipe.drafter.train.train_shard`.
 
     Given the shard's compile signature it checks the slot's stamp (one line
-    naming the stale part otherwise), forbids dense flex_attention on the flex
-    path (so ``train.compile: none`` stops at the first call), and returns the
-    guard that checks the counters after priming.
+    naming the stale part otherwise) and returns the guard that checks the
+    counters after priming. (Dense flex_attention is forbidden earlier, by
+    ``setup_attention``, for every flex user: shards, warm jobs, benchmarks.)
     Compile-free runs (CPU SDPA) are checked against the stamp too, but have no
     counters to prove.
     """
 
     def start(signature: dict) -> HotStartGuard:
         check_stamp(stamp_path, fingerprint_parts(signature, device))
-        if signature.get("attention") == "flex":  # also with compile: none, which then stops here
-            forbid_dense_flex()
         return HotStartGuard(stamp_path, enforce=bool(signature.get("compiled_flex")))
 
     return start

@@ -51,11 +51,7 @@ def use_compiled_target_layers(enabled: bool = True) -> None:
     never makes such a call.)
     """
     global TARGET_LAYER_FN
-    if enabled:
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        TARGET_LAYER_FN = torch.compile(_run_layer, dynamic=False)
-    else:
-        TARGET_LAYER_FN = _run_layer
+    TARGET_LAYER_FN = torch.compile(_run_layer, dynamic=False) if enabled else _run_layer
 
 
 def has_standard_layout(target) -> bool:
@@ -77,19 +73,23 @@ def _call_mask_fn(fn, config, embeds, attention_mask, position_ids):
     return fn(**{k: v for k, v in kw.items() if k in params})
 
 
+#: Layer types the fast path can mask, and the ``transformers.masking_utils`` builder of each.
+_MASK_BUILDERS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
+
+
+def _layer_types(inner) -> list[str]:
+    return list(getattr(inner.config, "layer_types", None) or ["full_attention"] * len(inner.layers))
+
+
 def _layer_masks(inner, embeds, attention_mask, position_ids):
     """{layer_type: mask} as the HF model builds it, or None if a layer type is unknown."""
     from transformers import masking_utils
 
-    builders = {
-        "full_attention": masking_utils.create_causal_mask,
-        "sliding_attention": masking_utils.create_sliding_window_causal_mask,
-    }
-    cfg = inner.config
-    types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(inner.layers))
-    if any(t not in builders for t in types):
+    types = _layer_types(inner)
+    if any(t not in _MASK_BUILDERS for t in types):
         return None, types
-    return {t: _call_mask_fn(builders[t], cfg, embeds, attention_mask, position_ids) for t in set(types)}, types
+    build = {t: getattr(masking_utils, _MASK_BUILDERS[t]) for t in set(types)}
+    return {t: _call_mask_fn(fn, inner.config, embeds, attention_mask, position_ids) for t, fn in build.items()}, types
 
 
 @torch.no_grad()
@@ -116,16 +116,14 @@ def trim_unused_layers(target, layer_ids) -> int:
     """Drop the target's decoder layers after ``max(layer_ids)`` (training never runs them).
 
     Frees their memory (for Qwen3-8B with the default taps, 2 of 36 layers,
-    ~0.8 GB in bf16). Only where the fast path runs (standard layout, layer
-    types it can mask), whose fast path
-    (:func:`context_features`) stops at the deepest tapped layer anyway; the
-    trimmed model is for feature extraction only, not for generation.
+    ~0.8 GB in bf16). Only where the fast path of :func:`context_features`
+    runs (standard layout, layer types it can mask): it stops at the deepest
+    tapped layer anyway. The trimmed model is for feature extraction only.
     Returns the number of layers dropped.
     """
     if not has_standard_layout(target):
         return 0
-    types = getattr(target.model.config, "layer_types", None) or ["full_attention"]
-    if any(t not in ("full_attention", "sliding_attention") for t in types):
+    if any(t not in _MASK_BUILDERS for t in _layer_types(target.model)):
         return 0  # the HF fallback would run, and it needs every layer (its last output is post-norm)
     inner, keep = target.model, max(int(i) for i in layer_ids) + 1
     dropped = len(inner.layers) - keep

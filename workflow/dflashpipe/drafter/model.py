@@ -83,9 +83,6 @@ def use_compiled_layers(**compile_kwargs):
     """
     global LAYER_FN
     set_flex_attention(flex_attention)
-    # one graph per (bucket, grad mode, first layer or not): raise Dynamo's per-code limit
-    # (8) so many buckets still fit; a shard still fails on any recompile after priming
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     LAYER_FN = torch.compile(_block_layer, **compile_kwargs)
     return LAYER_FN
 

@@ -170,14 +170,20 @@ def setup_attention(setup: Setup, cfg: TrainConfig) -> None:
     ``layers``: the drafter's layers (flex_attention inside), the target's
     layers and the loss chunks are compiled graphs, one each shared by all
     layers (norms, RoPE, SwiGLU, softmax-CE fused); ``flex``: only
-    flex_attention is compiled; ``none``: nothing is (flex_attention then falls
-    back to its dense path, which the hot-start guard stops). Shapes are
-    static: one graph per bucket.
+    flex_attention is compiled; ``none``: nothing is. On the flex path any
+    dense (uncompiled) flex_attention call is an error, whatever the mode: with
+    ``none`` the first attention call stops with one line instead of
+    materialising the full score matrix. Shapes are static: one graph per bucket.
     """
+    from dflashpipe.hotstart import forbid_dense_flex
+
     use_eager_layers()
     use_compiled_target_layers(False)
     use_compiled_ce(False)
-    if setup.attention != "flex" or cfg.compile == "none":
+    if setup.attention != "flex":
+        return
+    forbid_dense_flex()
+    if cfg.compile == "none":
         return
     if cfg.compile == "layers":
         use_compiled_layers(dynamic=False)
@@ -640,12 +646,8 @@ def warm_compile(cfg: TrainConfig, tokenized_dir: str, target_dir: str, device: 
     """
     from dflashpipe.tokenize import load_tokenized
 
-    from dflashpipe.hotstart import forbid_dense_flex
-
     dev = _resolve_device(device)
     target, tokenizer, dcfg, setup, drafter, opt, pad_id = build(cfg, target_dir, dev)
-    if setup.attention == "flex":  # never materialise the dense scores, here either
-        forbid_dense_flex()
     ds = load_tokenized(tokenized_dir)
     buckets = np.asarray(ds["bucket"], dtype=np.int64)
     seconds = prime_buckets(drafter, target, ds, buckets, cfg, setup, pad_id, log)
