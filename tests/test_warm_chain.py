@@ -92,6 +92,7 @@ def test_operational_settings_rerun_nothing(mini_run):
     cfg["train"].update(checkpoint_every=7, threads=2, dist_timeout_s=99)
     cfg["gpu"].update(lease_timeout_s=5, lock_dir=str(work / "other_locks"))
     cfg["ar_draft"] = {**cfg.get("ar_draft", {}), "max_minutes": 3.0, "threads": 2}
+    cfg["expand"]["threads"] = cfg["evaluate"]["threads"] = 2
     assert planned_rules(work, "--configfile", str(write_config(work / "ops.yaml", cfg))) == {}
 
 

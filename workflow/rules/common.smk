@@ -130,19 +130,20 @@ def previous_stamp(wildcards):
     return [warm_stamp(slot - 1)] if slot > 0 else []
 
 
-#: ``train`` keys that change how a run is operated, not what it computes: jobs read them
-#: from the config at run time, so changing them reruns nothing and a killed run resumes
-#: from its checkpoints (which are keyed by the other keys).
-TRAIN_RUNTIME_KEYS = ("threads", "checkpoint_every", "dist_timeout_s")
+#: Keys that change how a job is operated, not what it computes: jobs read them from the
+#: config at run time, so changing them reruns nothing (and a killed training run resumes
+#: from its checkpoints, which are keyed by the other keys).
+RUNTIME_KEYS = {
+    "expand": ("threads",),
+    "train": ("threads", "checkpoint_every", "dist_timeout_s"),
+    "evaluate": ("threads",),
+    "ar_draft": ("threads", "max_minutes"),
+}
 
 
-def train_params():
-    return {k: v for k, v in config["train"].items() if k not in TRAIN_RUNTIME_KEYS}
-
-
-def ar_draft_params():
-    """The AR draft's config without its run-time keys (a safety stop and threads)."""
-    return {k: v for k, v in config["ar_draft"].items() if k not in ("threads", "max_minutes")}
+def section_params(section):
+    """A config section as rule params: without its run-time keys."""
+    return {k: v for k, v in config[section].items() if k not in RUNTIME_KEYS[section]}
 
 
 def all_stamps():

@@ -9,7 +9,7 @@ if "assisted" in config["evaluate"]["methods"]:
         output:
             directory(f"{R}/ar_draft"),
         params:
-            cfg=ar_draft_params(),
+            cfg=section_params("ar_draft"),
             seed=config["seed"],
         threads: config["ar_draft"]["threads"]
         resources:
@@ -32,7 +32,7 @@ rule evaluate:
         samples=f"{R}/eval/{{dataset}}.samples.parquet",
         summary=f"{R}/eval/{{dataset}}.summary.json",
     params:
-        cfg=config["evaluate"],
+        cfg=section_params("evaluate"),
         seed=config["seed"],
         chat_template_kwargs=config["expand"]["chat_template_kwargs"],
     threads: config["evaluate"]["threads"]

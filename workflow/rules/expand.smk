@@ -7,7 +7,7 @@ rule expand_shard:
     output:
         f"{R}/expanded/{{dataset}}/shard{{shard}}.parquet",
     params:
-        settings=config["expand"],
+        settings=section_params("expand"),
         n_shards=config["expand"]["shards"],
         seed=config["seed"] if config["expand"]["temperature"] > 0 else 0,  # greedy: no rerun on a new seed
     threads: config["expand"]["threads"]

@@ -10,7 +10,7 @@ rule train_shard:
         metrics=f"{R}/train/shard{{shard}}.metrics.csv",
     params:
         drafter=config["drafter"],
-        train=train_params(),
+        train=section_params("train"),
         seed=config["seed"],
         cache_root=CACHE_ROOT,
         run_dir=f"{R}/train",
