@@ -120,3 +120,47 @@ def test_tokenize_filters_and_counts(micro_target, tmp_path):
 
 def test_bucket_for():
     assert bucket_for(1, [128, 256]) == 128 and bucket_for(128, [128, 256]) == 128 and bucket_for(129, [128, 256]) == 256
+
+
+def test_unusable_prompts_are_counted_not_generated_and_damaged_files_are_one_line(prompts, micro_target, tmp_path):
+    """An empty prompt and one that leaves no room for max_new_tokens in the target's context
+    (4096) are not generated; tokenize drops them by reason. A truncated expansion output is
+    one line naming the file; a damaged chunk of an unfinished expansion is generated again."""
+    df = pd.read_parquet(prompts).head(3).copy()
+    df["prompt"] = [list(df["prompt"].iloc[0]), [{"role": "user", "content": " "}], [{"role": "user", "content": "seven " * 5000}]]
+    df.to_parquet(tmp_path / "p.parquet")
+    out = tmp_path / "e.parquet"
+    run_expand(tmp_path / "p.parquet", micro_target, out)
+    e = pd.read_parquet(out).set_index("id")
+    ids = list(df["id"])
+    assert list(e.loc[ids[1:], "finish_reason"]) == ["skipped_empty_prompt", "skipped_prompt_too_long"]
+    assert e.loc[ids[0], "finish_reason"] in ("stop", "length") and len(e) == 3
+    assert (e.loc[e["finish_reason"].str.startswith("skipped"), "num_new_tokens"] == 0).all()
+    stats = tokenize_expanded({"math": str(out)}, str(micro_target), 2, [512], str(tmp_path / "tok"), str(tmp_path / "s.json"))
+    assert stats["dropped"]["skipped_empty_prompt"] == 1 and stats["dropped"]["skipped_prompt_too_long"] == 1
+
+    data = out.read_bytes()
+    out.write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match=r"e\.parquet: cannot read .*truncated or corrupt: delete it and rerun") as err:
+        tokenize_expanded({"math": str(out)}, str(micro_target), 2, [512], str(tmp_path / "tok2"), str(tmp_path / "s2.json"))
+    assert "\n" not in str(err.value)
+
+    # a damaged chunk left by an interrupted expansion is made again
+    from dataclasses import asdict
+
+    from dflashpipe.expand import _file_digest
+    from dflashpipe.target import target_fingerprint
+
+    run_expand(tmp_path / "p.parquet", micro_target, tmp_path / "ref.parquet", chunk_size=1)
+    settings = ExpandSettings(**{**SETTINGS, "chunk_size": 1})
+    work = tmp_path / "f.parquet.chunks"
+    work.mkdir()
+    (work / "settings.json").write_text(json.dumps({
+        "settings": asdict(settings), "target_fingerprint": target_fingerprint(str(micro_target)),
+        "prompts_digest": _file_digest(str(tmp_path / "p.parquet")), "shard": 0, "n_shards": 1}))
+    (work / "chunk_00000.parquet").write_bytes(b"PAR1 not really")
+    lines = []
+    expand_prompts(str(tmp_path / "p.parquet"), str(micro_target), settings, str(tmp_path / "f.parquet"), log=lines.append)
+    assert any("chunk_00000.parquet cannot be read" in ln for ln in lines)
+    cols = ["id", "response", "finish_reason"]
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "f.parquet")[cols], pd.read_parquet(tmp_path / "ref.parquet")[cols])

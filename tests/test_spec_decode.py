@@ -309,3 +309,39 @@ def test_evaluate_dataset_writes_samples_and_summary(micro, micro_target, tmp_pa
     with pytest.raises(UserError, match="methods"):
         evaluate_dataset(str(micro_target), str(tmp_path / "drafter"), str(tmp_path / "prompts.parquet"),
                          str(tmp_path / "s2.parquet"), str(tmp_path / "s2.json"), methods=["assisted"])
+
+
+def test_evaluate_skips_unusable_prompts_and_keeps_a_failed_check(micro, micro_target, tmp_path, monkeypatch):
+    """An empty prompt and one longer than the target's context (4096) never enter the tables;
+    a failed lossless check keeps its samples and summary for inspection (Snakemake removes
+    the job's outputs)."""
+    import dflashpipe.evaluate.run as run
+
+    target, tok, drafter, cfg = micro
+    save_drafter(drafter, cfg, tmp_path / "drafter", target.config)
+    turns = [[{"role": "user", "content": PROMPTS["p-add"]}], [{"role": "user", "content": "  "}],
+             [{"role": "user", "content": "seven " * 5000}], [{"role": "user", "content": PROMPTS["p-short"]}]]
+    pd.DataFrame({"id": ["ok", "empty", "long", "ok2"], "prompt": turns, "reference": [None] * 4}).to_parquet(tmp_path / "p.parquet")
+    out = tmp_path / "eval"
+    args = (str(micro_target), str(tmp_path / "drafter"), str(tmp_path / "p.parquet"), str(out / "d.samples.parquet"),
+            str(out / "d.summary.json"))
+    s = run.evaluate_dataset(*args, max_new_tokens=6, methods=["dflash", "ar"], log=lambda m: None)
+    assert s["n_prompts"] == 2 and s["skipped_prompts"] == {"skipped_empty_prompt": 1, "skipped_prompt_too_long": 1}
+    assert set(pd.read_parquet(out / "d.samples.parquet")["id"]) == {"ok", "ok2"}
+
+    def diverges(ids, *a, **k):
+        raise UserError(f"lossless check failed: prompt id {ids[0]!r} diverges from AR")
+
+    monkeypatch.setattr(run, "check_lossless", diverges)
+    for f in out.glob("d.*"):
+        f.unlink()
+    with pytest.raises(UserError, match=r"diverges from AR; samples and summary kept for inspection: .*failed/d\.samples\.parquet") as e:
+        run.evaluate_dataset(*args, max_new_tokens=6, methods=["dflash", "ar"], lossless="exact", log=lambda m: None)
+    assert "\n" not in str(e.value)
+    kept = json.loads((out / "failed/d.summary.json").read_text())
+    assert kept["lossless"]["passed"] is False and len(pd.read_parquet(out / "failed/d.samples.parquet")) == 4
+    assert not (out / "d.summary.json").exists()  # nothing that looks like a finished evaluation
+
+    pd.DataFrame({"id": ["e"], "prompt": [turns[1]], "reference": [None]}).to_parquet(tmp_path / "p.parquet")
+    with pytest.raises(UserError, match=r"p.parquet: no prompt to evaluate \(1 rows; skipped \{'skipped_empty_prompt': 1\}\)"):
+        run.evaluate_dataset(*args, max_new_tokens=6, methods=["dflash", "ar"], log=lambda m: None)

@@ -3,7 +3,8 @@
 Every file or directory a stage produces is first written under a temporary
 name in the same directory, then renamed into place (rename is atomic on POSIX
 within one filesystem). A killed job leaves at most a ``.tmp-*`` sibling, which
-the next attempt removes.
+the next attempt removes. The result gets the permissions any new file or
+directory gets under the process's umask (``mkstemp`` alone would leave 0600).
 """
 
 from __future__ import annotations
@@ -16,9 +17,16 @@ import tempfile
 from pathlib import Path
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _tmp_sibling(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
+    os.fchmod(fd, 0o666 & ~_umask())
     os.close(fd)
     return Path(tmp)
 
@@ -34,7 +42,7 @@ def atomic_path(path: str | os.PathLike, is_dir: bool = False):
     tmp = _tmp_sibling(path)
     if is_dir:
         tmp.unlink()
-        tmp.mkdir()
+        tmp.mkdir()  # mode 0777 & ~umask
     try:
         yield tmp
         if is_dir and path.exists():

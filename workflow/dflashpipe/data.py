@@ -163,7 +163,41 @@ def prepare_prompts(spec: dict, name: str, out_path: str, repo_root: str = ".") 
     return df
 
 
+def read_parquet(path: str) -> pd.DataFrame:
+    """A stage's parquet output, or one line naming it when it is truncated or corrupt."""
+    try:
+        return pd.read_parquet(path)
+    except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+        raise UserError(
+            f"{path}: cannot read ({first}); the file is truncated or corrupt: delete it and rerun, "
+            "snakemake makes it again"
+        ) from None
+
+
 def read_prompts(path: str) -> pd.DataFrame:
-    df = pd.read_parquet(path)
+    df = read_parquet(path)
     df["prompt"] = df["prompt"].map(lambda turns: [dict(t) for t in turns])
     return df
+
+
+#: Why a prompt is not used (counted in the expansion/tokenize and evaluation summaries).
+SKIP_EMPTY, SKIP_TOO_LONG = "skipped_empty_prompt", "skipped_prompt_too_long"
+
+
+def screen_prompt(turns: list[dict], n_tokens: int, context: int | None, reserve: int) -> str | None:
+    """Why a prompt cannot be decoded (:data:`SKIP_EMPTY`, :data:`SKIP_TOO_LONG`), or None.
+
+    ``n_tokens``: the prompt's length under the target's chat template;
+    ``reserve``: tokens that must fit after it (new tokens, a verify block);
+    ``context``: the target's ``max_position_embeddings`` (None: no limit).
+    """
+    if not str(turns[-1].get("content", "")).strip():
+        return SKIP_EMPTY
+    if context and n_tokens + reserve > context:
+        return SKIP_TOO_LONG
+    return None
+
+
+def target_context(model) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)

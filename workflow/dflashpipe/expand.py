@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 
 from dflashpipe.atomic import atomic_path, write_json
+from dflashpipe.data import read_parquet, screen_prompt, target_context
 from dflashpipe.errors import UserError
 
 
@@ -57,9 +58,18 @@ def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chu
         for p in rows["prompt"]
     ]
     lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
-    order = sorted(range(len(texts)), key=lambda i: lengths[i])  # less padding per batch
+    context = target_context(model)
+    skip = [screen_prompt(p, n, context, s.max_new_tokens) for p, n in zip(rows["prompt"], lengths)]
+    # a skipped prompt stays in the table, with its reason as finish_reason: tokenize counts it
+    out = [
+        {"id": rows["id"].iloc[i], "sample": j, "messages": [dict(t) for t in rows["prompt"].iloc[i]]
+         + [{"role": "assistant", "content": ""}], "response": "", "num_prompt_tokens": lengths[i],
+         "num_new_tokens": 0, "finish_reason": reason}
+        for i, reason in enumerate(skip) if reason for j in range(s.num_samples)
+    ]
+    order = sorted((i for i in range(len(texts)) if not skip[i]), key=lambda i: lengths[i])  # less padding per batch
     eos_ids = tokenizer.eos_token_id
-    out, new_tokens = [], 0
+    new_tokens = 0
     for start in range(0, len(order), s.batch_size):
         idx = order[start : start + s.batch_size]
         enc = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
@@ -135,6 +145,14 @@ def expand_prompts(
         tokenizer.pad_token = tokenizer.eos_token
 
     n_chunks = (len(prompts) + settings.chunk_size - 1) // settings.chunk_size
+    for c in range(n_chunks):  # a damaged chunk (e.g. a disk fault) is made again, not read
+        chunk_file = work / f"chunk_{c:05d}.parquet"
+        if chunk_file.exists():
+            try:
+                pd.read_parquet(chunk_file)
+            except Exception as err:  # noqa: BLE001
+                log(f"WARNING: {chunk_file} cannot be read ({str(err).splitlines()[0][:120]}); generating it again")
+                chunk_file.unlink()
     done = sum((work / f"chunk_{c:05d}.parquet").exists() for c in range(n_chunks))
     if done:
         log(f"resuming: {done} of {n_chunks} chunks already written")
@@ -174,7 +192,7 @@ def expand_prompts(
 
 def merge_shards(shard_paths: list[str], out_path: str) -> int:
     """Concatenate expanded shards into one parquet file (atomically)."""
-    df = pd.concat([pd.read_parquet(p) for p in shard_paths], ignore_index=True)
+    df = pd.concat([read_parquet(p) for p in shard_paths], ignore_index=True)
     with atomic_path(out_path) as tmp:
         df.to_parquet(tmp, index=False)
     return len(df)

@@ -167,13 +167,17 @@ def format_check(model, tokenizer, prompts: list[list[dict]], max_new_tokens: in
     return {"format_ok": ok / max(1, len(prompts)), "n_prompts": len(prompts), "examples": outs[:3]}
 
 
-def train_lm(model, token_lists: list[list[int]], cfg: TinyTargetConfig, log=print, evaluate=None, desc: str = "lm") -> dict:
+def train_lm(model, token_lists: list[list[int]], cfg: TinyTargetConfig, log=print, evaluate=None, desc: str = "lm",
+             stop_key: str = "max_minutes") -> dict:
     """Packed next-token training of a causal LM, read top to bottom.
 
     AdamW (betas 0.9/0.95, weight decay on matrices only), linear warm-up then
-    cosine to ``min_lr_ratio``, grad clip 1.0; stops after ``max_steps`` or, as a
-    safety stop, ``max_minutes``. ``evaluate()`` (optional) is called every
-    ``eval_every`` steps and at the end; its dict joins the returned curve.
+    cosine to ``min_lr_ratio``, grad clip 1.0; runs ``max_steps`` steps.
+    ``max_minutes`` is a safety stop: reaching it FAILS the job with one line
+    naming ``stop_key`` (a model cut short by the clock would depend on the
+    machine's load, so it is never passed on as a result). ``evaluate()``
+    (optional) is called every ``eval_every`` steps and at the end; its dict
+    joins the returned curve.
     """
     from tqdm import tqdm
 
@@ -187,7 +191,7 @@ def train_lm(model, token_lists: list[list[int]], cfg: TinyTargetConfig, log=pri
     )
     device = next(model.parameters()).device  # batches follow the model (CPU or a leased GPU)
     windows, cursor, epoch, tokens_seen = pack(token_lists, cfg.seq_len, rng), 0, 0, 0
-    curve, losses, stopped_early = [], [], False
+    curve, losses = [], []
     t0 = time.time()
     model.train()
     bar = tqdm(range(cfg.max_steps), desc=desc, mininterval=10)
@@ -208,22 +212,24 @@ def train_lm(model, token_lists: list[list[int]], cfg: TinyTargetConfig, log=pri
         tokens_seen += batch[:, :-1].numel()
         elapsed = time.time() - t0
         bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_seen / elapsed:.0f}", refresh=False)
-        stopped_early = elapsed > cfg.max_minutes * 60 and step + 1 < cfg.max_steps
-        last = step + 1 == cfg.max_steps or stopped_early
+        if elapsed > cfg.max_minutes * 60 and step + 1 < cfg.max_steps:
+            raise UserError(
+                f"{desc}: the {stop_key} safety stop ({cfg.max_minutes:g} min) was reached after step {step + 1} of "
+                f"{cfg.max_steps} ({tokens_seen / elapsed:.0f} tok/s; the machine is slower or busier than expected); "
+                f"a model cut short by the clock would depend on the machine, so nothing was saved: raise {stop_key} "
+                f"or give the job more threads, and rerun"
+            )
+        last = step + 1 == cfg.max_steps
         if evaluate is not None and ((step + 1) % cfg.eval_every == 0 or last):
             point = {"step": step + 1, "epoch": epoch, "train_loss": losses[-1], "minutes": elapsed / 60, **evaluate()}
             curve.append(point)
             log(f"step {step + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in point.items() if isinstance(v, float))
                 + f", {tokens_seen / elapsed:.0f} tok/s")
-        if stopped_early:
-            log(f"stopping at step {step + 1}: max_minutes={cfg.max_minutes} reached")
-            break
     seconds = time.time() - t0
     if not math.isfinite(losses[-1]):
         raise UserError(f"{desc}: the loss is {losses[-1]}; lower the learning rate")
     return {
         "steps": len(losses),
-        "stopped_early": stopped_early,
         "train_minutes": seconds / 60,
         "tokens_per_second": tokens_seen / seconds,
         "first_loss": losses[0],
@@ -252,7 +258,8 @@ def train_tiny_target(
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: Qwen3 {cfg.num_layers} layers, hidden {cfg.hidden_size}, {n_params / 1e6:.2f}M parameters")
     heldout = heldout_chats[: cfg.eval_rows]
-    run = train_lm(model, token_lists, cfg, log, evaluate=lambda: heldout_loss(model, tokenizer, heldout), desc="tiny target")
+    run = train_lm(model, token_lists, cfg, log, evaluate=lambda: heldout_loss(model, tokenizer, heldout), desc="tiny target",
+                   stop_key="target.tiny.max_minutes")
     fmt = format_check(model, tokenizer, [c[:-1] for c in heldout_chats[: cfg.format_check_prompts]])
     log(f"format check: {fmt['format_ok']:.0%} of {fmt['n_prompts']} greedy answers end in '#### <number>'")
     metrics = {

@@ -19,9 +19,8 @@ import bisect
 from collections import Counter
 from pathlib import Path
 
-import pandas as pd
-
 from dflashpipe.atomic import atomic_path, write_json
+from dflashpipe.data import read_parquet
 from dflashpipe.errors import UserError
 
 
@@ -77,10 +76,14 @@ def tokenize_expanded(
     records, dropped, truncated = [], Counter(), 0
     per_dataset = {}
     for name, path in expanded_paths.items():
-        df = pd.read_parquet(path)
+        df = read_parquet(path)
         kept_before = len(records)
         for row in tqdm(df.itertuples(index=False), total=len(df), desc=f"tokenize {name}", mininterval=5):
             messages = [dict(t) for t in row.messages]
+            reason = str(getattr(row, "finish_reason", ""))
+            if reason.startswith("skipped_"):  # the expansion could not use the prompt
+                dropped[reason] += 1
+                continue
             if not messages[-1]["content"].strip():
                 dropped["empty_response"] += 1
                 continue

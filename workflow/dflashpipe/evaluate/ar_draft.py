@@ -67,7 +67,7 @@ def train_ar_draft(chats_or_token_lists, target_dir: str, out_dir: str, cfg: ARD
         bos_token_id=getattr(tcfg, "bos_token_id", None),
         max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 4096)),
     )
-    run = train_lm(model.to(device), lists, replace(cfg, seq_len=seq_len), log, desc="ar draft")
+    run = train_lm(model.to(device), lists, replace(cfg, seq_len=seq_len), log, desc="ar draft", stop_key="ar_draft.max_minutes")
     model.to("cpu").eval()
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = tok.pad_token_id

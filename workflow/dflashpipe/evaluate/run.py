@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 import resource
 import time
+from collections import Counter
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -201,7 +203,7 @@ def _evaluate(
 ) -> dict:
     from tqdm import tqdm
 
-    from dflashpipe.data import read_prompts
+    from dflashpipe.data import read_prompts, screen_prompt, target_context
     from dflashpipe.drafter.export import load_drafter
     from dflashpipe.target import describe_target, load_target
 
@@ -239,12 +241,24 @@ def _evaluate(
             raise UserError(f"evaluate.ar_draft: cannot load a causal LM from {ar_draft_dir}: {str(err).splitlines()[0]}") from None
 
     df = read_prompts(prompts_parquet)
-    if num_prompts is not None:
-        df = df.iloc[: int(num_prompts)]
-    if not len(df):
-        raise UserError(f"{prompts_parquet}: no prompts to evaluate")
-    ids = [str(i) for i in df["id"]]
-    encoded = [encode_prompt(tok, p, chat_template_kwargs) for p in df["prompt"]]
+    # every method must decode max_new_tokens (plus one verify block) within the target's context
+    context, reserve = target_context(target), max_new_tokens + dcfg.block_size
+    encoded, skipped = [], Counter()
+    for turns in df["prompt"]:
+        ids_ = encode_prompt(tok, turns, chat_template_kwargs)
+        reason = screen_prompt(turns, len(ids_), context, reserve)
+        skipped[reason] += reason is not None
+        encoded.append(None if reason else ids_)
+    keep = [i for i, e in enumerate(encoded) if e is not None][: None if num_prompts is None else int(num_prompts)]
+    if skipped:
+        log(f"skipped prompts: {dict(skipped)} (context {context}, {reserve} tokens reserved after the prompt)")
+    if not keep:
+        raise UserError(
+            f"{prompts_parquet}: no prompt to evaluate ({len(df)} rows; skipped {dict(skipped)}): prompts must be "
+            f"non-empty and fit the target's context ({context}) with evaluate.max_new_tokens + block size ({reserve})"
+        )
+    ids = [str(df["id"].iloc[i]) for i in keep]
+    encoded = [encoded[i] for i in keep]
     log(
         f"evaluate: {len(ids)} prompts, max_new_tokens {max_new_tokens}, temperature {temperature}, block size "
         f"{dcfg.block_size}, methods {methods}, device {dev}, dtype {str(dtype).removeprefix('torch.')}"
@@ -295,6 +309,7 @@ def _evaluate(
         "drafter": {"path": str(drafter_dir), **{k: v for k, v in dcfg.to_dict().items() if k in ("block_size", "num_hidden_layers", "target_layer_ids", "mask_token_id")}},
         "prompts": str(prompts_parquet),
         "n_prompts": len(ids),
+        "skipped_prompts": {k: int(v) for k, v in skipped.items() if v},
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "seed": seed,
@@ -338,9 +353,16 @@ def _evaluate(
     else:
         summary["lossless"] = {"checked": False, "reason": "sampling (temperature > 0)" if temperature > 0 else "dflash not run"}
 
+    kept = Path(summary_out).parent / "failed"
+    if failure is not None and lossless != "report":
+        # the job fails and Snakemake removes its outputs: keep what is needed to inspect the failure
+        samples_out, summary_out = kept / Path(samples_out).name, kept / Path(summary_out).name
+    else:  # a failure kept by an earlier run is out of date now
+        for old in (kept / Path(samples_out).name, kept / Path(summary_out).name):
+            old.unlink(missing_ok=True)
     with atomic_path(samples_out) as tmp:
         pd.DataFrame(rows).to_parquet(tmp, index=False)
     write_json(summary_out, summary)
     if failure is not None and lossless != "report":
-        raise failure
+        raise UserError(f"{failure}; samples and summary kept for inspection: {samples_out}, {summary_out}")
     return summary
