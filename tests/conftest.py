@@ -62,7 +62,7 @@ def mini_config(results: str = "results") -> dict:
         "tokenize": {"buckets": [128, 256]},
         "gpu": {"slots": 2},
         "drafter": {"block_size": 4, "num_layers": 1},
-        "train": {"shards": 2, "num_anchors": 8, "batch_size": 2, "max_steps": 4, "checkpoint_every": 2, "heldout_samples": 4, "dist_timeout_s": 120},
+        "train": {"shards": 2, "num_anchors": 8, "batch_size": 4, "max_steps": 6, "checkpoint_every": 2, "heldout_samples": 4, "dist_timeout_s": 120},
         "evaluate": {"num_prompts": 2, "max_new_tokens": 12, "threads": 1},
         "ar_draft": {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
                      "intermediate_size": 64, "seq_len": 64, "batch_size": 2, "max_steps": 4, "threads": 1},
@@ -74,11 +74,18 @@ def write_config(path: Path, cfg: dict) -> Path:
     return path
 
 
-def snakemake(workdir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def snakemake_cmd(workdir: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir), *args]
+
+
+def snakemake_env(**extra: str) -> dict:
+    return dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", **extra)
+
+
+def snakemake(workdir: Path, *args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run the real workflow in a subprocess (isolates cwd and global state)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir), *args]
-    return subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(snakemake_cmd(workdir, *args), cwd=workdir, env=env or snakemake_env(), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def read_jsonl_gz(path: Path, n: int) -> list[dict]:
@@ -101,7 +108,7 @@ def micro_target(tmp_path_factory) -> Path:
 
 def planned_rules(workdir: Path, *args: str) -> dict[str, int]:
     """Rules (and job counts) a dry run would execute: {} when nothing is to be done."""
-    res = snakemake(workdir, "-n", "--quiet", "rules", *args)
+    res = snakemake(workdir, *args, "-n", "--quiet", "rules")
     assert res.returncode == 0, res.stderr[-3000:]
     out = (res.stdout + res.stderr).splitlines()
     if "Job stats:" not in out:

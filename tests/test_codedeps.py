@@ -55,6 +55,7 @@ def test_relative_imports_are_followed(tmp_path):
 def test_training_stage_sees_the_drafter_model_code():
     from dflashpipe.codedeps import script_closure
 
-    got = names(script_closure(LIB, REPO / "workflow/scripts/train_shard.py"))
-    assert {"drafter/train.py", "drafter/model.py", "drafter/loss.py", "drafter/masks.py", "hotstart.py", "lease.py"} <= got
+    got = names(script_closure(LIB, REPO / "workflow/scripts/train.py"))
+    assert {"drafter/train.py", "drafter/step.py", "drafter/model.py", "drafter/loss.py", "drafter/masks.py",
+            "drafter/launch.py", "hotstart.py", "lease.py"} <= got
     assert not any(n.startswith("evaluate/") for n in got)

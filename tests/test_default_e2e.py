@@ -19,8 +19,8 @@ def test_default_pipeline_meets_its_goals(tmp_path):
     r = tmp_path / "results"
     target = json.loads((r / "target/metrics.json").read_text())
     assert target["heldout_loss"] <= 0.8 and target["format_ok"] >= 0.9
-    shard = json.loads((r / "train/shard0.summary.json").read_text())
-    assert shard["heldout_acc"] >= 0.6
+    train = json.loads((r / "train/summary.json").read_text())
+    assert train["heldout_acc"] >= 0.6
     ev = pd.read_csv(r / "tables/eval.csv").set_index(["dataset", "method"])
     math = ev.loc["math_heldout"]
     assert math.loc["dflash", "tau_pooled"] >= 4

@@ -1,6 +1,7 @@
 """Export in the published DFlash layout, and loading it back."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,12 +89,31 @@ def test_config_json_layout(saved):
     assert qc.model_type == "qwen3" and qc.rope_parameters["rope_theta"] == 250000.0
 
 
+REFERENCE = json.loads((Path(__file__).parent / "fixtures/dflash_reference_layout_qwen3_8b.json").read_text())
+
+
+def test_layout_equals_the_published_qwen3_8b_drafter():
+    """The drafter for a Qwen3-8B target has exactly the keys and shapes of z-lab's published one."""
+    from transformers import Qwen3Config
+
+    t, d = REFERENCE["target"], REFERENCE["drafter"]
+    tc = Qwen3Config(**{k: v for k, v in t.items() if k != "model_type"})
+    cfg = DrafterConfig.from_target_config(tc, d["num_hidden_layers"], d["block_size"], d["mask_token_id"])
+    assert cfg.target_layer_ids == d["target_layer_ids"]  # the default taps are the published ones
+    with torch.device("meta"):  # 1 B parameters: shapes only
+        model = DFlashDrafter(cfg)
+    assert {k: list(v.shape) for k, v in model.state_dict().items()} == REFERENCE["safetensors"]
+
+
 def test_safetensors_keys_exact(saved):
     _, cfg, out = saved
     with safe_open(out / "model.safetensors", "pt") as f:
         keys = set(f.keys())
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in keys}
-    assert shapes == expected_state_shapes(cfg)
+    # the published names, for this drafter's 2 layers
+    published = {k for k in REFERENCE["safetensors"] if not k.startswith("layers.") or int(k.split(".")[1]) < 2}
+    assert keys == published
+    assert shapes == expected_state_shapes(cfg)  # and what the loader checks against
     assert "fc.weight" in keys and shapes["fc.weight"] == (H, 2 * H)
     assert not any(k.startswith("model.") or "bias" in k or "embed" in k or "lm_head" in k for k in keys)
     assert all(t.is_floating_point() for t in load_file(out / "model.safetensors").values())

@@ -1,8 +1,9 @@
-"""The drafter train loop: K-shard equivalence, kill-and-resume, rendezvous timeout,
-feature extraction, data order, and that the loss actually goes down.
+"""The drafter train loop: K-rank equivalence (global batch), kill-and-resume at the
+same and at another K, corrupt checkpoints, rendezvous timeout, feature extraction,
+data order, and that the loss actually goes down.
 
 Everything is real: a micro Qwen3 target, gloo process groups over file
-rendezvous, real subprocesses (and a real SIGKILL).
+rendezvous, DDP + ZeRO, real subprocesses (and a real SIGKILL).
 """
 
 from __future__ import annotations
@@ -23,67 +24,65 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from dflashpipe.drafter.checkpoint import checkpoint_dir, load_checkpoint, run_identity
+from dflashpipe.drafter.data import epoch_batches, heldout_split, rank_slice
 from dflashpipe.drafter.features import context_features
 from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
-from dflashpipe.drafter.train import (
-    TrainConfig,
-    epoch_batches,
-    heldout_split,
-    load_checkpoint,
-    train_shard,
-)
+from dflashpipe.drafter.train import TrainConfig, train_rank
 from dflashpipe.errors import UserError
 
 torch.set_num_threads(1)
 
-# Tiny but complete: 1 drafter layer, blocks of 4, 8 anchors per sequence.
-BASE = dict(num_layers=1, block_size=4, num_anchors=8, heldout_samples=8, lr=3e-3, seed=0)
+# Tiny but complete: 1 drafter layer, blocks of 4, 8 anchors per sequence; 4 sequences per step.
+BASE = dict(num_layers=1, block_size=4, num_anchors=8, heldout_samples=8, lr=3e-3, seed=0, batch_size=4)
 
-# A shard in its own process, as Snakemake runs it. BLOCK_AT > 0: the process
-# parks (forever) when train_step is called for the BLOCK_AT-th time, after
-# writing a marker, so the test can SIGKILL it at a known point.
+# A rank in its own process, as the launcher runs it. Faults (see dflashpipe.faults) park or kill it.
 RUNNER = r"""
-import json, pathlib, sys, time
+import json, sys
 import torch
 torch.set_num_threads(1)
 import dflashpipe.drafter.train as T
 a = json.loads(sys.argv[1])
-block_at, marker = a.pop("block_at", 0), a.pop("marker", None)
-if block_at:
-    real_step, calls = T.train_step, [0]
-    def parked_step(*args, **kw):
-        calls[0] += 1
-        if calls[0] == block_at:
-            pathlib.Path(marker).write_text("parked")
-            time.sleep(600)
-        return real_step(*args, **kw)
-    T.train_step = parked_step
 cfg = T.TrainConfig(**a.pop("cfg"))
-T.train_shard(cfg, log=lambda m: None, **a)
+T.train_rank(cfg, log=lambda m: None, **a)
 """
 
 
-def shard_args(tmp: Path, cfg: TrainConfig, tokenized, target, rank: int, world_size: int, rdzv: str, tag: str, export: bool):
+def rank_args(tmp: Path, cfg: TrainConfig, tokenized, target, rank: int, world_size: int, rdzv: str, tag: str):
+    """train_rank's arguments; the checkpoint dir is keyed by the run identity, as in the pipeline."""
+    run_dir = tmp / f"run_{tag}"
     return dict(
-        cfg=cfg,
         tokenized_dir=str(tokenized),
         target_dir=str(target),
-        ckpt_dir=str(tmp / f"ckpt_{tag}"),
+        ckpt_dir=str(checkpoint_dir(str(run_dir), run_identity(cfg, str(tokenized), str(target)))),
         rank=rank,
         world_size=world_size,
         init_method=f"file://{tmp / rdzv}",
         device="cpu",
-        metrics_csv=str(tmp / f"metrics_{tag}_r{rank}.csv"),
-        summary_json=str(tmp / f"summary_{tag}_r{rank}.json"),
-        export_dir=str(tmp / f"export_{tag}") if export else None,
+        metrics_csv=str(run_dir / "metrics.csv"),
+        summary_json=str(run_dir / "summary.json"),
+        export_dir=str(run_dir / "drafter") if rank == 0 else None,
     )
 
 
-def spawn(args: dict, tmp: Path, name: str, **extra) -> subprocess.Popen:
-    payload = dict(args, cfg=asdict(args["cfg"]), **extra)
+def spawn(cfg: TrainConfig, args: dict, tmp: Path, name: str, faults=None) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    if faults:
+        env.update(DFLASH_FAULTS=json.dumps(faults), DFLASH_FAULT_MARKER=str(tmp / f"{name}.parked"))
     err = open(tmp / f"{name}.stderr", "w")
-    return subprocess.Popen([sys.executable, "-c", RUNNER, json.dumps(payload)], env=env, stdout=err, stderr=err)
+    payload = json.dumps(dict(args, cfg=asdict(cfg)))
+    return subprocess.Popen([sys.executable, "-c", RUNNER, payload], env=env, stdout=err, stderr=err)
+
+
+def run_ranks(cfg: TrainConfig, tmp: Path, tokenized, target, world_size: int, tag: str, rdzv: str, faults=None):
+    """``world_size`` rank processes of one run; returns them (not waited for)."""
+    return [spawn(cfg, rank_args(tmp, cfg, tokenized, target, r, world_size, rdzv, tag), tmp, f"{tag}_{rdzv}_r{r}", faults)
+            for r in range(world_size)]
+
+
+def wait_ok(procs, tmp: Path, names):
+    for p, name in zip(procs, names):
+        assert p.wait(timeout=180) == 0, (tmp / f"{name}.stderr").read_text()[-3000:]
 
 
 def read_metrics(path) -> list[dict]:
@@ -95,117 +94,149 @@ def losses(path) -> dict[int, float]:
     return {int(r["step"]): float(r["loss"]) for r in read_metrics(path)}
 
 
+def weights(run: Path) -> dict:
+    return load_file(run / "drafter" / "model.safetensors")
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
 def quiet(*_a, **_k):
     pass
 
 
-# -- 1. K=2 shards == K=1 on the union batch ------------------------------------
+def train_here(cfg, tmp, tokenized, target, tag, rdzv="rdzv"):
+    a = rank_args(tmp, cfg, tokenized, target, 0, 1, f"{tag}_{rdzv}", tag)
+    return train_rank(cfg, **a, log=quiet)
 
 
-def test_two_gloo_shards_take_the_same_step_as_one(micro_target, micro_tokenized, tmp_path):
-    """Global batch 4: K=1 x batch 4 vs K=2 x batch 2 (two real processes). Same
-    parameters after 2 steps within atol 1e-5 (fp32; only summation order differs)."""
-    k1 = TrainConfig(**BASE, batch_size=4, max_steps=2)
-    k2 = TrainConfig(**BASE, batch_size=2, max_steps=2)
-    procs = [
-        spawn(shard_args(tmp_path, k2, micro_tokenized, micro_target, r, 2, "rdzv2", "k2", export=r == 0), tmp_path, f"k2_r{r}")
-        for r in range(2)
-    ]
-    train_shard(k1, **{k: v for k, v in shard_args(tmp_path, k1, micro_tokenized, micro_target, 0, 1, "rdzv1", "k1", True).items() if k != "cfg"}, log=quiet)
-    for r, p in enumerate(procs):
-        assert p.wait(timeout=120) == 0, (tmp_path / f"k2_r{r}.stderr").read_text()[-3000:]
+# -- 1. K=2 ranks == K=1 on the same global batch -------------------------------
 
-    one, two = load_file(tmp_path / "export_k1" / "model.safetensors"), load_file(tmp_path / "export_k2" / "model.safetensors")
-    assert one.keys() == two.keys()
-    worst = max((one[k] - two[k]).abs().max().item() for k in one)
-    assert worst < 1e-5, f"K=2 differs from K=1 by {worst}"
 
-    # ...and the step was a real one: parameters moved far more than the tolerance.
+def test_two_ranks_train_the_same_drafter_as_one(micro_target, micro_tokenized, tmp_path):
+    """train.batch_size is global: K=1 and K=2 (two real processes, DDP + ZeRO) see the same
+    4 samples per step. Same parameters after 3 steps within atol 1e-5: fp32, only the
+    summation order of the gradient (two partial sums vs one) differs, ~1e-7 relative per
+    step; a step moves each weight by up to lr = 3e-3, so 1e-5 is far below one step."""
+    cfg = TrainConfig(**BASE, max_steps=3)
+    procs = run_ranks(cfg, tmp_path, micro_tokenized, micro_target, 2, "k2", "rdzv2")
+    train_here(cfg, tmp_path, micro_tokenized, micro_target, "k1")
+    wait_ok(procs, tmp_path, ["k2_rdzv2_r0", "k2_rdzv2_r1"])
+
+    one, two = weights(tmp_path / "run_k1"), weights(tmp_path / "run_k2")
+    assert max_diff(one, two) < 1e-5
+
+    # ...and the steps were real ones: parameters moved far more than the tolerance.
     from transformers import AutoConfig
 
     torch.manual_seed(BASE["seed"])
     dcfg = DrafterConfig.from_target_config(AutoConfig.from_pretrained(micro_target), 1, 4, 3)
-    init = DFlashDrafter(dcfg).state_dict()
-    moved = max((one[k] - init[k]).abs().max().item() for k in one)
-    assert moved > 1e-3
+    assert max_diff(one, DFlashDrafter(dcfg).state_dict()) > 1e-3
 
-    # Global loss: every rank logs the same number as K=1 (weighted over the union batch).
-    l1 = losses(tmp_path / "metrics_k1_r0.csv")
-    for r in range(2):
-        lr_ = losses(tmp_path / f"metrics_k2_r{r}.csv")
-        assert lr_.keys() == l1.keys() == {1, 2}
-        assert all(abs(lr_[s] - l1[s]) < 1e-5 for s in l1)
-    s = [json.loads((tmp_path / f"summary_k2_r{r}.json").read_text()) for r in range(2)]
-    assert [x["rank"] for x in s] == [0, 1] and all(x["world_size"] == 2 and x["steps"] == 2 for x in s)
-    assert abs(s[0]["heldout_loss"] - s[1]["heldout_loss"]) < 1e-6  # all-reduced
-
-
-# -- 2. SIGKILL and resume --------------------------------------------------------
+    # Global loss: the run logs the same numbers at K=1 and K=2 (weighted over the whole batch).
+    l1, l2 = losses(tmp_path / "run_k1/metrics.csv"), losses(tmp_path / "run_k2/metrics.csv")
+    assert l1.keys() == l2.keys() == {1, 2, 3}
+    assert all(abs(l1[s] - l2[s]) < 1e-5 for s in l1)
+    s1 = json.loads((tmp_path / "run_k1/summary.json").read_text())
+    s2 = json.loads((tmp_path / "run_k2/summary.json").read_text())
+    assert (s1["steps"], s1["global_batch"], s1["rank_batch"]) == (3, 4, 4)
+    assert (s2["steps"], s2["global_batch"], s2["rank_batch"], s2["world_size"]) == (3, 4, 2, 2)
+    assert [r["rank"] for r in s2["ranks"]] == [0, 1]
+    assert abs(s1["heldout_loss"] - s2["heldout_loss"]) < 1e-5  # all-reduced over the ranks' held-out shares
 
 
-def test_killed_run_resumes_exactly(micro_target, micro_tokenized, tmp_path):
-    """checkpoint_every=2, 6 steps. A shard SIGKILLed after step 5 (checkpoint at 4)
-    and restarted redoes step 5 and 6 with the uninterrupted run's losses (atol 1e-6)
-    and ends with identical weights."""
-    cfg = TrainConfig(**BASE, batch_size=4, max_steps=6, checkpoint_every=2)
+def test_batch_size_not_divisible_by_the_ranks_is_one_line(micro_target, micro_tokenized, tmp_path):
+    cfg = TrainConfig(**{**BASE, "batch_size": 3}, max_steps=1, dist_timeout_s=30)
+    procs = run_ranks(cfg, tmp_path, micro_tokenized, micro_target, 2, "odd", "rdzv")
+    for r, p in enumerate(procs):
+        assert p.wait(timeout=120) != 0
+    err = (tmp_path / "odd_rdzv_r0.stderr").read_text()
+    assert "train.batch_size (3) is the global batch of a step, split over 2 shards" in err
 
-    def args(tag, rdzv):
-        a = shard_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 1, rdzv, tag, True)
-        return a
 
-    # The killed run, in its own process: parks when step 6 starts, then SIGKILL.
-    marker = tmp_path / "parked"
-    proc = spawn(args("resumed", "rdzv_a"), tmp_path, "killed", block_at=6, marker=str(marker))
-    ref = args("ref", "rdzv_ref")
-    train_shard(cfg, **{k: v for k, v in ref.items() if k != "cfg"}, log=quiet)  # uninterrupted, meanwhile
+# -- 2. SIGKILL and resume, at the same K and at another K ----------------------------
+
+
+def park_and_kill(procs, tmp: Path, marker_name: str):
+    marker = tmp / f"{marker_name}.parked"
     deadline = time.time() + 120
     while not marker.exists():
-        assert proc.poll() is None, (tmp_path / "killed.stderr").read_text()[-3000:]
-        assert time.time() < deadline, "the shard never reached step 6"
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait(timeout=30) == -signal.SIGKILL
-    ck = tmp_path / "ckpt_resumed"
-    assert json.loads((ck / "latest.json").read_text())["step"] == 4
-    assert sorted(p.name for p in ck.glob("step*.pt")) == ["step0000002.pt", "step0000004.pt"]
-    assert sorted(losses(tmp_path / "metrics_resumed_r0.csv")) == [1, 2, 3, 4, 5]  # step 5 is lost work
+        assert all(p.poll() is None for p in procs), "a rank ended before reaching the fault"
+        assert time.time() < deadline, "no rank reached the fault"
+        time.sleep(0.05)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
 
-    # Restart (a fresh rendezvous file: the killed one's is stale).
-    res = args("resumed", "rdzv_b")
-    summary = train_shard(cfg, **{k: v for k, v in res.items() if k != "cfg"}, log=quiet)
-    assert summary["resumed_from_step"] == 4 and summary["steps"] == 6
-    L, R = losses(tmp_path / "metrics_ref_r0.csv"), losses(tmp_path / "metrics_resumed_r0.csv")
+
+@pytest.mark.parametrize("before,after", [(1, 1), (2, 1), (1, 2)])
+def test_killed_run_resumes_exactly_at_any_shard_count(micro_target, micro_tokenized, tmp_path, before, after):
+    """checkpoint_every=2, 6 steps. A run SIGKILLed at the start of step 6 (checkpoint at 4,
+    step 5 lost) and restarted, with the same or another number of ranks, redoes step 5 and 6
+    with the uninterrupted run's losses and ends with the same weights (fp32; atol 1e-6 at the
+    same K, 1e-5 across K, as in test 1). The metrics history has every step once."""
+    cfg = TrainConfig(**BASE, max_steps=6, checkpoint_every=2)
+    train_here(cfg, tmp_path, micro_tokenized, micro_target, "ref")
+
+    park = [{"at": "train.step", "step": 6, "rank": 0, "do": "park"}]
+    procs = run_ranks(cfg, tmp_path, micro_tokenized, micro_target, before, "res", "a", faults=park)
+    park_and_kill(procs, tmp_path, "res_a_r0")
+    ck = Path(rank_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 1, "x", "res")["ckpt_dir"])
+    assert sorted(p.name for p in ck.glob("step*.pt")) == ["step0000002.pt", "step0000004.pt"]
+    assert sorted(losses(ck / "metrics.csv")) == [1, 2, 3, 4, 5]  # step 5 is lost work
+    assert not (tmp_path / "run_res/summary.json").exists()  # nothing published by a killed run
+
+    wait_ok(run_ranks(cfg, tmp_path, micro_tokenized, micro_target, after, "res", "b"), tmp_path,
+            [f"res_b_r{r}" for r in range(after)])
+    summary = json.loads((tmp_path / "run_res/summary.json").read_text())
+    assert summary["resumed_from_step"] == 4 and summary["steps"] == 6 and summary["world_size"] == after
+    L, R = losses(tmp_path / "run_ref/metrics.csv"), losses(tmp_path / "run_res/metrics.csv")
     assert sorted(R) == [1, 2, 3, 4, 5, 6]  # row 5 of the killed run was replaced, not duplicated
-    assert all(abs(L[s] - R[s]) <= 1e-6 for s in range(1, 7)), (L, R)
-    a, b = load_file(tmp_path / "export_ref" / "model.safetensors"), load_file(tmp_path / "export_resumed" / "model.safetensors")
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
+    tol = 1e-6 if before == after == 1 else 1e-5
+    assert all(abs(L[s] - R[s]) <= tol for s in range(1, 7)), (L, R)
+    assert max_diff(weights(tmp_path / "run_ref"), weights(tmp_path / "run_res")) <= tol
     assert sorted(p.name for p in ck.glob("step*.pt")) == ["step0000004.pt", "step0000006.pt"]
 
-    # A checkpoint of another run is refused with one line naming the file.
-    other = TrainConfig(**{**BASE, "lr": 1e-3}, batch_size=4, max_steps=6, checkpoint_every=2)
-    res2 = dict(res, cfg=other, init_method=f"file://{tmp_path / 'rdzv_c'}")
-    with pytest.raises(UserError, match=r"step0000006\.pt: written with a different train config.*lr 0\.003 -> 0\.001") as e:
-        train_shard(other, **{k: v for k, v in res2.items() if k != "cfg"}, log=quiet)
-    assert "\n" not in str(e.value) and "delete" in str(e.value)
-    with pytest.raises(UserError, match=r"step0000006\.pt: written by a run with 1 shards, this run has 2"):
-        load_checkpoint(ck, cfg, 2, {})
-    assert not dist.is_initialized()
+
+def test_corrupt_checkpoint_falls_back_to_the_one_before(micro_target, micro_tokenized, tmp_path):
+    cfg = TrainConfig(**BASE, max_steps=4, checkpoint_every=2)
+    a = rank_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 1, "rdzv", "c")
+    identity = run_identity(cfg, str(micro_tokenized), str(micro_target))
+    park_and_kill([spawn(cfg, a, tmp_path, "c", [{"at": "train.step", "step": 4, "do": "park"}])], tmp_path, "c")
+    ck = Path(a["ckpt_dir"])
+    intact = (ck / "step0000002.pt").read_bytes()
+    (ck / "step0000003.pt").write_bytes(intact[: len(intact) // 2])  # a truncated newer checkpoint
+
+    lines = []
+    assert load_checkpoint(ck, identity, log=lines.append)["step"] == 2
+    assert "step0000003.pt: cannot load" in lines[0] and "falling back" in lines[0]
+    a["init_method"] += "_again"
+    summary = train_rank(cfg, **a, log=quiet)  # the run resumes from the intact one and finishes
+    assert summary["resumed_from_step"] == 2 and summary["steps"] == 4
+
+    with pytest.raises(UserError, match=r"step0000004\.pt: written by another run \(differs in code\)"):
+        load_checkpoint(ck, dict(identity, code="0123456789abcdef"), log=quiet)
+    for f in ck.glob("step*.pt"):
+        f.write_bytes(b"garbage")
+    with pytest.raises(UserError, match=r"no checkpoint loads \(step0000004.pt, step0000003.pt are corrupt\); delete"):
+        load_checkpoint(ck, identity, log=quiet)
 
 
 # -- 3. a peer that never comes -------------------------------------------------------
 
 
 def test_missing_peer_is_a_one_line_error(micro_target, micro_tokenized, tmp_path):
-    cfg = TrainConfig(**BASE, batch_size=2, max_steps=2, dist_timeout_s=3.0)
-    a = shard_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 2, "rdzv", "lonely", False)
+    cfg = TrainConfig(**{**BASE, "batch_size": 2}, max_steps=2, dist_timeout_s=3.0)
+    a = rank_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 2, "rdzv", "lonely")
     t0 = time.time()
     with pytest.raises(UserError) as e:
-        train_shard(cfg, **{k: v for k, v in a.items() if k != "cfg"}, log=quiet)
+        train_rank(cfg, **a, log=quiet)
     msg = str(e.value)
     assert time.time() - t0 < 30
     assert "\n" not in msg
-    assert "only some of the 2 shards joined" in msg and "timed out after 3 s" in msg
-    assert "--resources gpu" in msg and "stale rendezvous file" in msg
+    assert "only some of the 2 ranks joined" in msg and "timed out after 3 s" in msg
     assert not dist.is_initialized()
 
 
@@ -261,23 +292,24 @@ def test_data_order_is_deterministic_bucketed_and_disjoint():
     assert len(set(flat.tolist())) == len(flat) and not set(flat.tolist()) & set(held.tolist())
     # rank slices of a global batch: disjoint, and their union is the batch
     x = b0[0]
-    assert sorted(np.concatenate([x[r * 2 : (r + 1) * 2] for r in range(2)]).tolist()) == sorted(x.tolist())
+    assert sorted(np.concatenate([rank_slice(x, r, 2) for r in range(2)]).tolist()) == sorted(x.tolist())
+    assert [len(rank_slice(x, r, 4)) for r in range(4)] == [1, 1, 1, 1]
 
 
 # -- 6. it learns ------------------------------------------------------------------------
 
 
 def test_loss_decreases(micro_target, micro_tokenized, tmp_path):
-    cfg = TrainConfig(**BASE, batch_size=4, max_steps=20, warmup_ratio=0.1, checkpoint_every=100, eval_every=10)
-    a = shard_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 1, "rdzv", "learn", True)
-    s = train_shard(cfg, **{k: v for k, v in a.items() if k != "cfg"}, log=quiet)
+    cfg = TrainConfig(**BASE, max_steps=20, warmup_ratio=0.1, checkpoint_every=100, eval_every=10)
+    a = rank_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 1, "rdzv", "learn")
+    s = train_rank(cfg, **a, log=quiet)
     rows = read_metrics(a["metrics_csv"])
     loss = [float(r["loss"]) for r in rows]
     assert len(loss) == 20
     assert np.mean(loss[-5:]) < np.mean(loss[:3]) - 0.3, loss
     assert s["heldout_loss"] < loss[0] - 0.3  # step 1's loss is the untrained drafter's
     assert [r["step"] for r in rows if r["heldout_loss"]] == ["10", "20"]
-    assert s["first_step_seconds"] > 0 and s["tokens_per_s"] > 0 and s["resumed_from_step"] is None
+    assert s["ranks"][0]["first_step_seconds"] > 0 and s["tokens_per_s"] > 0 and s["resumed_from_step"] is None
     assert set(rows[0]) >= {"step", "epoch", "loss", "acc", "lr", "grad_norm", "tokens_per_s", "step_seconds", "peak_mem_mb"}
     from dflashpipe.drafter.export import load_drafter
 

@@ -30,7 +30,7 @@ def dag_edges(workdir, *args):
 
 def test_default_dag_chains_warm_slots_and_gates_every_shard(tmp_path):
     cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
-    cfg["train"]["shards"] = 3
+    cfg["train"].update(shards=3, batch_size=6)
     path = write_config(tmp_path / "c.yaml", cfg)
     labels, edges = dag_edges(tmp_path, "--configfile", str(path))
     node = {}
@@ -41,19 +41,20 @@ def test_default_dag_chains_warm_slots_and_gates_every_shard(tmp_path):
     warm = [node[("warm_slot", str(i))] for i in range(3)]
     assert (warm[0], warm[1]) in edges and (warm[1], warm[2]) in edges
     assert (warm[0], warm[2]) not in edges  # a chain, not a fan
-    shards = [node[("train_shard0", None)], node[("train_shard", "1")], node[("train_shard", "2")]]
-    for s in shards:
-        for w in warm:
-            assert (w, s) in edges, f"shard {s} does not wait for stamp {w}"
+    train = node[("train", None)]  # ONE job runs the 3 shards together
+    assert not any(name.startswith("train_shard") for name, _ in node)
+    for w in warm:
+        assert (w, train) in edges, f"training does not wait for stamp {w}"
 
 
 def test_warm_jobs_never_overlap_and_shards_do(mini_run):
     work, _ = mini_run
     stamps = [json.loads((work / f"results/warm/slot{i}.json").read_text()) for i in range(2)]
     assert stamps[0]["finished_at"] <= stamps[1]["started_at"]
-    shards = [json.loads((work / f"results/train/shard{k}.summary.json").read_text()) for k in range(2)]
-    assert max(s["started_at"] for s in shards) < min(s["finished_at"] for s in shards)
-    assert [s["rank"] for s in shards] == [0, 1] and all(s["world_size"] == 2 for s in shards)
+    summary = json.loads((work / "results/train/summary.json").read_text())
+    ranks = summary["ranks"]
+    assert max(r["started_at"] for r in ranks) < min(r["finished_at"] for r in ranks)
+    assert [r["rank"] for r in ranks] == [0, 1] and summary["world_size"] == 2
     for stamp in stamps:
         assert stamp["torch"] and stamp["buckets"] and "fxgraph_cache_miss" in stamp["counters"]
         assert stamp["cache_dirs"]["TORCHINDUCTOR_CACHE_DIR"].endswith(f"slot{stamp['slot']}/inductor")
@@ -62,13 +63,12 @@ def test_warm_jobs_never_overlap_and_shards_do(mini_run):
 def test_shards_log_metrics_and_export_the_drafter(mini_run):
     work, _ = mini_run
     r = work / "results"
+    m = pd.read_csv(r / "train/metrics.csv")
+    assert list(m["step"]) == [1, 2, 3, 4, 5, 6]
+    assert {"loss", "acc", "lr", "tokens_per_s", "tokens_per_s_per_gpu", "peak_mem_mb"} <= set(m.columns)
     for k in range(2):
-        m = pd.read_csv(r / f"train/shard{k}.metrics.csv")
-        assert list(m["step"]) == [1, 2, 3, 4]
-        assert {"loss", "acc", "lr", "tokens_per_s", "peak_mem_mb"} <= set(m.columns)
-    # ranks log the same GLOBAL loss
-    a, b = (pd.read_csv(r / f"train/shard{k}.metrics.csv") for k in range(2))
-    assert (a["loss"] - b["loss"]).abs().max() < 1e-6
+        log = (r / f"logs/train/rank{k}.log").read_text()
+        assert f"train rank {k}/2 on cpu" in log and "6 steps of 4 sequences (2 on this rank)" in log
     cfg = json.loads((r / "drafter/config.json").read_text())
     assert cfg["block_size"] == 4 and "dflash_config" in cfg and (r / "drafter/model.safetensors").exists()
 
@@ -78,18 +78,19 @@ def test_drafter_config_change_invalidates_stamps_but_lr_does_not(mini_run):
     cfg = mini_config()
     cfg["drafter"]["num_layers"] = 2
     changed = planned_rules(work, "--configfile", str(write_config(work / "layers.yaml", cfg)))
-    assert {"warm_slot", "train_shard0", "train_shard"} <= set(changed)
+    assert {"warm_slot", "train"} <= set(changed)
     assert not {"expand_shard", "tokenize", "tiny_target"} & set(changed)
     cfg = mini_config()
     cfg["train"]["lr"] = 1e-3
     changed = planned_rules(work, "--configfile", str(write_config(work / "lr.yaml", cfg)))
-    assert "warm_slot" not in changed and {"train_shard0", "train_shard"} <= set(changed)
+    assert "warm_slot" not in changed and "train" in changed
 
 
 def test_operational_settings_rerun_nothing(mini_run):
     work, _ = mini_run
     cfg = mini_config()
-    cfg["train"].update(checkpoint_every=7, threads=2, dist_timeout_s=99)
+    cfg["train"].update(checkpoint_every=7, threads=2, dist_timeout_s=99, eval_every=3)
+    cfg["target"]["tiny"].update(threads=2, max_minutes=9.0)
     cfg["gpu"].update(lease_timeout_s=5, lock_dir=str(work / "other_locks"))
     cfg["ar_draft"] = {**cfg.get("ar_draft", {}), "max_minutes": 3.0, "threads": 2}
     cfg["expand"]["threads"] = cfg["evaluate"]["threads"] = 2
@@ -102,9 +103,9 @@ def test_stale_stamp_makes_the_shard_fail_with_the_reason(mini_copy):
     stamp = json.loads(stamp_path.read_text())
     stamp["torch"] = "2.11.0"
     stamp_path.write_text(json.dumps(stamp))
-    res = snakemake(work, "--cores", "2", "--configfile", str(cfg), "--forcerun", "train_shard")
+    res = snakemake(work, "--cores", "2", "--configfile", str(cfg), "--forcerun", "train")
     assert res.returncode != 0
-    log = (work / "results/logs/train/shard1.log").read_text()
+    log = (work / "results/logs/train/rank1.log").read_text()
     assert "slot1.json is stale (torch: stamp has '2.11.0'" in log
     assert "rerun the warm chain" in log
 

@@ -1,21 +1,69 @@
 """Config validation with one-line errors that name the key.
 
 The schema (workflow/schemas/config.schema.yaml) is the single source of
-truth for keys, types and defaults. ``validate_config`` fills defaults in place,
-then reports the first problem as ONE line, e.g.::
+truth for keys, types, defaults and what each key is: result-changing (no
+mark), ``x-operational`` (read at run time, reruns nothing) or ``x-compile``
+(decides the compiled training step). ``validate_config`` fills defaults in
+place, then reports the first problem as ONE line, e.g.::
 
     config/config.yaml: expand.batch_szie: unknown key (did you mean 'batch_size'?)
+
+Rule params (:func:`result_params`), the warm jobs' compile settings
+(:func:`compile_keys`) and the training checkpoint identity derive from the
+marks, so a key's role is declared once, in the schema.
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
+import functools
+from pathlib import Path
 
 import jsonschema
 import yaml
 
 from dflashpipe.errors import UserError
+
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+
+
+@functools.cache
+def load_schema(path: str = str(SCHEMA_PATH)) -> dict:
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+def _section_schema(section: str) -> dict:
+    node = load_schema()
+    for part in section.split("."):
+        node = node["properties"][part]
+    return node
+
+
+def keys_marked(section: str, mark: str) -> tuple[str, ...]:
+    """Keys of a config section (dotted: ``"train"``, ``"target.tiny"``) whose schema entry has ``x-<mark>: true``."""
+    props = _section_schema(section).get("properties", {})
+    return tuple(k for k, sub in props.items() if sub.get(f"x-{mark}"))
+
+
+def operational_keys(section: str) -> tuple[str, ...]:
+    """Keys the jobs read at run time: changing them reruns nothing."""
+    return keys_marked(section, "operational")
+
+
+def compile_keys() -> tuple[str, ...]:
+    """``train`` keys that decide the compiled training step (the warm jobs' params)."""
+    return keys_marked("train", "compile")
+
+
+def result_params(config: dict, section: str) -> dict:
+    """A config section without its operational keys: what a rule takes as params."""
+    node = config
+    for part in section.split("."):
+        node = node[part]
+    skip = operational_keys(section)
+    return {k: v for k, v in node.items() if k not in skip}
 
 
 def _fill_defaults(instance, schema):
@@ -54,10 +102,24 @@ def _message(err: jsonschema.ValidationError) -> str:
     return f"{where}: {err.message}"
 
 
+def settings(cls, *sections: dict, **overrides):
+    """A library settings dataclass from config sections: the keys it knows, later sections winning.
+
+    The one way scripts turn config into library arguments; keys the dataclass
+    does not know (e.g. ``threads``, handled by the job) are ignored.
+    """
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(cls)}
+    values = {}
+    for section in (*sections, overrides):
+        values.update({k: v for k, v in section.items() if k in known})
+    return cls(**values)
+
+
 def validate_config(config: dict, schema_path: str, source: str = "config") -> dict:
     """Fill defaults into ``config`` and validate it; raise a one-line UserError."""
-    with open(schema_path) as f:
-        schema = yaml.safe_load(f)
+    schema = load_schema(str(schema_path))
     if not isinstance(config, dict):
         raise UserError(f"{source}: the config must be a mapping of keys to values")
     _fill_defaults(config, schema)
@@ -89,5 +151,63 @@ def _check_references(config: dict, source: str) -> None:
     ex = config["expand"]
     if ex["num_samples"] > 1 and ex["temperature"] == 0:
         raise UserError(f"{source}: expand.num_samples is {ex['num_samples']} with temperature 0 (greedy samples are identical); set temperature > 0")
+    train = config["train"]
+    if train["batch_size"] % train["shards"]:
+        raise UserError(
+            f"{source}: train.batch_size ({train['batch_size']}) is the global batch of a step, split over "
+            f"train.shards ({train['shards']}) GPUs; make it a multiple of train.shards"
+        )
     if config["drafter"]["block_size"] * 2 > max(config["tokenize"]["buckets"]):
         raise UserError(f"{source}: tokenize.buckets: the largest bucket must hold at least 2 x drafter.block_size tokens")
+
+
+def load_yaml(path: str) -> dict:
+    """A YAML config file, or one line naming the file, line and column of a syntax error."""
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as err:
+        raise UserError(f"{path}: cannot read ({err.strerror})") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UserError(f"{where}: YAML syntax error ({problem}); fix that line (indentation, a missing ':' or bracket)") from None
+    return data if data is not None else {}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """Snakemake's merge of --configfile files onto the workflow's config: nested keys update."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dflashpipe.config my.yaml [more.yaml]``: check config files as the workflow will read them.
+
+    Snakemake parses ``--configfile`` files before the workflow starts and
+    reports a YAML syntax error without the file or line; this names both, then
+    validates the merged config (onto config/config.yaml) like the workflow does.
+    """
+    import sys
+
+    files = list(sys.argv[1:] if argv is None else argv)
+    if not files:
+        print("usage: python -m dflashpipe.config CONFIG.yaml [MORE.yaml ...]", file=sys.stderr)
+        return 2
+    try:
+        merged = load_yaml(str(SCHEMA_PATH.parents[2] / "config" / "config.yaml"))
+        for f in files:
+            merged = _merge(merged, load_yaml(f))
+        validate_config(merged, str(SCHEMA_PATH), ", ".join(files))
+    except UserError as err:
+        print(f"ERROR: {err}", file=sys.stderr)
+        return 1
+    print(f"ok: {', '.join(files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -27,12 +27,9 @@ from pathlib import Path
 
 from dflashpipe.errors import UserError
 
-#: Keys of the config's ``train`` section that decide compiled shapes: the warm jobs get
-#: only these (with the ``drafter`` section), so e.g. a new learning rate does not rewarm.
-COMPILE_KEYS = ("num_anchors", "batch_size", "loss_chunk_size", "attention", "compile", "dtype")
-
-# Library modules whose source decides the compiled training step.
-TRAIN_STEP_MODULES = ["drafter.train", "drafter.model", "drafter.masks", "drafter.loss", "drafter.features"]
+# Library modules whose source decides the compiled training step (with everything they import):
+# also the code part of a training run's identity (drafter/checkpoint.py).
+TRAIN_STEP_MODULES = ["drafter.train"]
 
 
 def slot_cache_dirs(cache_root: str | os.PathLike, slot: int) -> dict[str, str]:
@@ -229,7 +226,7 @@ class HotStartGuard:
 
 
 def hot_start(stamp_path: str, device: str):
-    """The ``hot_start`` callable for :func:`dflashpipe.drafter.train.train_shard`.
+    """The ``hot_start`` callable for :func:`dflashpipe.drafter.train.train_rank`.
 
     Given the shard's compile signature it checks the slot's stamp (one line
     naming the stale part otherwise) and returns the guard that checks the

@@ -32,13 +32,12 @@ def _save(fig, path: str) -> None:
 
 
 def training_curves(training_csv: str, loss_png: str, tokens_png: str) -> None:
-    """Loss and top-1 accuracy per shard vs step (with held-out points), and tokens/s per shard."""
+    """Loss and top-1 accuracy of the global batch vs step (with held-out points), and context tokens/s."""
     df = pd.read_csv(training_csv)
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
-    for k, g in df.groupby("shard"):
-        ax_loss.plot(g["step"], g["loss"], label=f"shard {k} (train batch)", alpha=0.8)
-        ax_acc.plot(g["step"], g["acc"], label=f"shard {k} (train batch)", alpha=0.8)
-    held = df.dropna(subset=["heldout_loss"]).drop_duplicates("step")
+    ax_loss.plot(df["step"], df["loss"], label="train batch", alpha=0.8)
+    ax_acc.plot(df["step"], df["acc"], label="train batch", alpha=0.8)
+    held = df.dropna(subset=["heldout_loss"])
     if len(held):
         ax_loss.plot(held["step"], held["heldout_loss"], "ko--", label="held-out")
         ax_acc.plot(held["step"], held["heldout_acc"], "ko--", label="held-out")
@@ -50,12 +49,14 @@ def training_curves(training_csv: str, loss_png: str, tokens_png: str) -> None:
     _save(fig, loss_png)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for k, g in df.groupby("shard"):
-        line = ax.plot(g["step"], g["tokens_per_s"], alpha=0.25, lw=0.8)[0]
-        smooth = g["tokens_per_s"].rolling(25, min_periods=1, center=True).mean()
-        ax.plot(g["step"], smooth, color=line.get_color(), lw=2, label=f"shard {k} (25-step mean)")
-    ax.set(xlabel="optimiser step (light: per step; length buckets differ)", ylabel="context tokens / s (per shard)",
-           title="Training throughput per shard")
+    for col, label in (("tokens_per_s", "all GPUs"), ("tokens_per_s_per_gpu", "per GPU")):
+        if col not in df or (col == "tokens_per_s_per_gpu" and (df[col] == df["tokens_per_s"]).all()):
+            continue  # one GPU: the two curves coincide
+        line = ax.plot(df["step"], df[col], alpha=0.25, lw=0.8)[0]
+        smooth = df[col].rolling(25, min_periods=1, center=True).mean()
+        ax.plot(df["step"], smooth, color=line.get_color(), lw=2, label=f"{label} (25-step mean)")
+    ax.set(xlabel="optimiser step (light: per step; length buckets differ)", ylabel="context tokens / s",
+           title="Training throughput")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

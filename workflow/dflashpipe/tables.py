@@ -1,7 +1,7 @@
 """CSV tables of a run (results/tables/): the numbers behind every plot.
 
 Each table is built from the stages' own outputs (evaluation summaries,
-per-shard metrics, warm stamps, shard summaries) and written atomically.
+the training metrics, warm stamps, the training summary) and written atomically.
 """
 
 from __future__ import annotations
@@ -51,38 +51,32 @@ def eval_tables(eval_summaries: dict[str, str]) -> tuple[pd.DataFrame, pd.DataFr
     return pd.DataFrame(rows), pd.DataFrame(positions), pd.DataFrame(histogram)
 
 
-def training_table(metrics_csvs: list[str]) -> pd.DataFrame:
-    frames = []
-    for k, path in enumerate(metrics_csvs):
-        df = pd.read_csv(path)
-        df.insert(0, "shard", k)
-        frames.append(df)
-    return pd.concat(frames, ignore_index=True)
+def training_table(metrics_csv: str) -> pd.DataFrame:
+    return pd.read_csv(metrics_csv)
 
 
-def compile_table(stamps: list[str], shard_summaries: list[str]) -> pd.DataFrame:
-    """Per slot: the warm job's compile seconds (cold cache) and the shard's priming seconds (warm cache)."""
+def compile_table(stamps: list[str], train_summary: str) -> pd.DataFrame:
+    """Per slot: the warm job's compile seconds and the training rank's priming seconds (warm cache)."""
     rows = []
     for path in stamps:
         s = json.loads(Path(path).read_text())
         rows.append({"slot": s["slot"], "phase": "warm job", "seconds": s["compile_seconds"],
                      "cache_misses": s["counters"]["fxgraph_cache_miss"] + s["counters"]["autograd_cache_miss"]})
-    for k, path in enumerate(shard_summaries):
-        s = json.loads(Path(path).read_text())
-        hot = s.get("hot_start") or {}
+    for r in json.loads(Path(train_summary).read_text())["ranks"]:
+        hot = r.get("hot_start") or {}
         if hot.get("prime_seconds") is not None:
             c = hot.get("counters") or {}
-            rows.append({"slot": k, "phase": "training shard (warm cache)", "seconds": hot["prime_seconds"],
+            rows.append({"slot": r["rank"], "phase": "training shard (warm cache)", "seconds": hot["prime_seconds"],
                          "cache_misses": c.get("fxgraph_cache_miss", 0) + c.get("autograd_cache_miss", 0)})
     return pd.DataFrame(rows, columns=["slot", "phase", "seconds", "cache_misses"])
 
 
-def write_tables(eval_summaries, metrics_csvs, shard_summaries, stamps, out: dict, log=print) -> None:
+def write_tables(eval_summaries, metrics_csv, train_summary, stamps, out: dict, log=print) -> None:
     ev, pos, hist = eval_tables(eval_summaries)
     _write_csv(ev, out["eval"])
     _write_csv(pos, out["positions"])
     _write_csv(hist, out["histogram"])
-    _write_csv(training_table(metrics_csvs), out["training"])
-    _write_csv(compile_table(stamps, shard_summaries), out["compile"])
+    _write_csv(training_table(metrics_csv), out["training"])
+    _write_csv(compile_table(stamps, train_summary), out["compile"])
     cols = ["dataset", "method", "tau_pooled", "tokens_per_s", "speedup_vs_ar", "tokens_per_target_forward"]
     log("\n" + ev[cols].to_string(index=False))

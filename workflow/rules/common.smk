@@ -8,7 +8,7 @@ REPO = Path(workflow.basedir)
 sys.path.insert(0, str(REPO / "workflow"))
 
 from dflashpipe.codedeps import script_closure
-from dflashpipe.config import validate_config
+from dflashpipe.config import compile_keys, result_params, validate_config
 from dflashpipe.errors import UserError
 from dflashpipe.target import check_target_dir
 
@@ -74,7 +74,7 @@ def all_outputs():
         out.append(f"{R}/target/metrics.json")
     out += [f"{R}/tokenized/train", f"{R}/tokenized/stats.json"]
     out += all_stamps()
-    out += [o for k in range(SHARDS) for o in shard_outputs(k)] + [f"{R}/drafter"]
+    out += [TRAIN_SUMMARY, TRAIN_METRICS, DRAFTER]
     out += expand(f"{R}/eval/{{d}}.summary.json", d=datasets_for("eval"))
     out += [f"{R}/plots/tau_speedup.png"]
     return out
@@ -85,16 +85,15 @@ def all_outputs():
 # ---------------------------------------------------------------------------
 
 import importlib.metadata
-import uuid
 
 SLOTS = config["gpu"]["slots"]
 SHARDS = config["train"]["shards"]
 CACHE_ROOT = f"{R}/compile_cache"
 
-# One id per invocation of the workflow, inherited by its jobs (also through a
-# cluster executor's exported environment): the shards of one run meet in a
-# rendezvous file no earlier (possibly killed) run has used.
-os.environ.setdefault("DFLASH_RUN_ID", uuid.uuid4().hex[:12])
+# The training run's outputs (one job writes them all, for any number of shards).
+TRAIN_SUMMARY = f"{R}/train/summary.json"
+TRAIN_METRICS = f"{R}/train/metrics.csv"
+DRAFTER = f"{R}/drafter"
 
 
 def _refuse(msg):
@@ -103,15 +102,15 @@ def _refuse(msg):
 
 if SHARDS > SLOTS:
     _refuse(
-        f"train.shards is {SHARDS} but gpu.slots is {SLOTS}: every shard needs its own GPU slot; "
+        f"train.shards is {SHARDS} but gpu.slots is {SLOTS}: every shard needs its own GPU slot (and warm stamp); "
         "raise gpu.slots or lower train.shards"
     )
 _gpu_budget = workflow.global_resources.get("gpu")
 _gpu_budget = getattr(_gpu_budget, "value", _gpu_budget)
 if isinstance(_gpu_budget, int) and _gpu_budget < SHARDS:
     _refuse(
-        f"train.shards is {SHARDS} but --resources gpu={_gpu_budget}: the {SHARDS} shards of one run must "
-        f"run at the same time; use --resources gpu={SHARDS} or more, or lower train.shards"
+        f"train.shards is {SHARDS} but --resources gpu={_gpu_budget}: the training job runs its {SHARDS} shards "
+        f"at once, one GPU each; use --resources gpu={SHARDS} or more, or lower train.shards"
     )
 
 
@@ -130,35 +129,13 @@ def previous_stamp(wildcards):
     return [warm_stamp(slot - 1)] if slot > 0 else []
 
 
-#: Keys that change how a job is operated, not what it computes: jobs read them from the
-#: config at run time, so changing them reruns nothing (and a killed training run resumes
-#: from its checkpoints, which are keyed by the other keys).
-RUNTIME_KEYS = {
-    "expand": ("threads",),
-    "train": ("threads", "checkpoint_every", "dist_timeout_s"),
-    "evaluate": ("threads",),
-    "ar_draft": ("threads", "max_minutes"),
-}
-
-
-def section_params(section):
-    """A config section as rule params: without its run-time keys."""
-    return {k: v for k, v in config[section].items() if k not in RUNTIME_KEYS[section]}
-
-
 def all_stamps():
     return [warm_stamp(i) for i in range(SLOTS)]
 
 
 def compile_settings():
     """The config that decides compiled code (the warm jobs' params: other keys do not rerun them)."""
-    from dflashpipe.hotstart import COMPILE_KEYS  # light: the DAG build imports no torch
-
-    return {"drafter": config["drafter"], "train": {k: config["train"][k] for k in COMPILE_KEYS}}
-
-
-def shard_outputs(shard):
-    return [f"{R}/train/shard{shard}.summary.json", f"{R}/train/shard{shard}.metrics.csv"]
+    return {"drafter": config["drafter"], "train": {k: config["train"][k] for k in compile_keys()}}
 
 
 def ar_draft_dir():

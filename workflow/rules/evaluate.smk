@@ -2,6 +2,8 @@ if "assisted" in config["evaluate"]["methods"]:
 
     rule ar_draft:
         """A 1-layer autoregressive draft with the target's tokenizer: the assisted-generation peer."""
+        conda:
+            "../../envs/dflash.yaml"
         input:
             tokenized=f"{R}/tokenized/train",
             target=target_dir(),
@@ -9,7 +11,7 @@ if "assisted" in config["evaluate"]["methods"]:
         output:
             directory(f"{R}/ar_draft"),
         params:
-            cfg=section_params("ar_draft"),
+            cfg=result_params(config, "ar_draft"),
             seed=config["seed"],
         threads: config["ar_draft"]["threads"]
         resources:
@@ -22,9 +24,11 @@ if "assisted" in config["evaluate"]["methods"]:
 
 rule evaluate:
     """DFlash speculative decoding vs. AR and peers on one held-out dataset; lossless check."""
+    conda:
+        "../../envs/dflash.yaml"
     input:
         target=target_dir(),
-        drafter=f"{R}/drafter",
+        drafter=DRAFTER,
         prompts=prompts_file("{dataset}"),
         ar_draft=ar_draft_dir(),
         code=lib_code("evaluate.py"),
@@ -32,7 +36,7 @@ rule evaluate:
         samples=f"{R}/eval/{{dataset}}.samples.parquet",
         summary=f"{R}/eval/{{dataset}}.summary.json",
     params:
-        cfg=section_params("evaluate"),
+        cfg=result_params(config, "evaluate"),
         seed=config["seed"],
         chat_template_kwargs=config["expand"]["chat_template_kwargs"],
     threads: config["evaluate"]["threads"]

@@ -1,5 +1,7 @@
 rule expand_shard:
     """The target regenerates the replies of one shard of a training dataset (resumable)."""
+    conda:
+        "../../envs/dflash.yaml"
     input:
         prompts=prompts_file("{dataset}"),
         target=target_dir(),
@@ -7,7 +9,7 @@ rule expand_shard:
     output:
         f"{R}/expanded/{{dataset}}/shard{{shard}}.parquet",
     params:
-        settings=section_params("expand"),
+        settings=result_params(config, "expand"),
         n_shards=config["expand"]["shards"],
         seed=config["seed"] if config["expand"]["temperature"] > 0 else 0,  # greedy: no rerun on a new seed
     threads: config["expand"]["threads"]
@@ -23,6 +25,8 @@ rule expand_shard:
 
 rule merge_expanded:
     """One parquet per dataset from its expansion shards."""
+    conda:
+        "../../envs/dflash.yaml"
     input:
         shards=expanded_shards,
         code=lib_code("merge_expanded.py"),

@@ -1,9 +1,11 @@
 rule tables:
     """CSV tables of the run: evaluation per dataset and method, acceptance, training, compile times."""
+    conda:
+        "../../envs/dflash.yaml"
     input:
         eval=expand(f"{R}/eval/{{d}}.summary.json", d=datasets_for("eval")),
-        metrics=[shard_outputs(k)[1] for k in range(SHARDS)],
-        shard_summaries=[shard_outputs(k)[0] for k in range(SHARDS)],
+        metrics=TRAIN_METRICS,
+        train_summary=TRAIN_SUMMARY,
         stamps=all_stamps(),
         code=lib_code("tables.py"),
     output:
@@ -22,6 +24,8 @@ rule tables:
 
 rule plots:
     """PNG figures (results/plots/), each with a caption in the Snakemake report."""
+    conda:
+        "../../envs/dflash.yaml"
     input:
         eval=f"{R}/tables/eval.csv",
         positions=f"{R}/tables/per_position_acceptance.csv",

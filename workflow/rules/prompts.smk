@@ -1,5 +1,7 @@
 rule prompts:
     """Load one configured dataset (local file or HF name) into the normal prompt table."""
+    conda:
+        "../../envs/dflash.yaml"
     input:
         data=dataset_file,
         code=lib_code("prompts.py"),

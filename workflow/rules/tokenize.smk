@@ -1,5 +1,7 @@
 rule tokenize:
     """Chat template + assistant-only loss mask + length filter -> one datasets dataset."""
+    conda:
+        "../../envs/dflash.yaml"
     input:
         expanded=expand(f"{R}/expanded/{{name}}.parquet", name=datasets_for("train")),
         target=target_dir(),

@@ -1,38 +1,31 @@
-rule train_shard:
-    """Rank k of K data-parallel shards of ONE drafter run; starts only when every slot is warm."""
+rule train:
+    """ONE drafter run: K data-parallel ranks started together (one GPU each); waits for every warm stamp."""
+    conda:
+        "../../envs/dflash.yaml"
     input:
         stamps=all_stamps(),
         tokenized=f"{R}/tokenized/train",
         target=target_dir(),
-        code=lib_code("train_shard.py"),
+        code=lib_code("train.py"),
     output:
-        summary=f"{R}/train/shard{{shard}}.summary.json",
-        metrics=f"{R}/train/shard{{shard}}.metrics.csv",
+        summary=TRAIN_SUMMARY,
+        metrics=TRAIN_METRICS,
+        drafter=directory(DRAFTER),
     params:
         drafter=config["drafter"],
-        train=section_params("train"),
+        train=result_params(config, "train"),
         seed=config["seed"],
         cache_root=CACHE_ROOT,
-        run_dir=f"{R}/train",
-    threads: config["train"]["threads"]
+        run_dir=lambda wildcards, output: os.path.dirname(output.summary),
+    # train.shards and train.threads are read at run time (operational): a new shard count
+    # reruns the warm chain (other shapes per rank) but not the drafter's recipe
+    threads: SHARDS * config["train"]["threads"]
     resources:
-        gpu=1,
+        gpu=SHARDS,
     log:
-        f"{R}/logs/train/shard{{shard}}.log",
+        main=f"{R}/logs/train/train.log",
+        ranks=expand(f"{R}/logs/train/rank{{k}}.log", k=range(SHARDS)),
     benchmark:
-        f"{R}/benchmarks/train_shard{{shard}}.tsv"
-    wildcard_constraints:
-        shard=r"[1-9]\d*",
+        f"{R}/benchmarks/train.tsv"
     script:
-        "../scripts/train_shard.py"
-
-
-use rule train_shard as train_shard0 with:
-    output:
-        summary=f"{R}/train/shard0.summary.json",
-        metrics=f"{R}/train/shard0.metrics.csv",
-        drafter=directory(f"{R}/drafter"),
-    log:
-        f"{R}/logs/train/shard0.log",
-    benchmark:
-        f"{R}/benchmarks/train_shard0.tsv"
+        "../scripts/train.py"

@@ -1,5 +1,7 @@
 rule warm_slot:
     """Compile on GPU slot i alone, into its own cache, exactly what a shard runs; write a stamp."""
+    conda:
+        "../../envs/dflash.yaml"
     input:
         previous=previous_stamp,
         tokenized=f"{R}/tokenized/train",

@@ -1,5 +1,4 @@
-import dataclasses
-
+from dflashpipe.config import settings
 from dflashpipe.expand import ExpandSettings, expand_prompts
 from dflashpipe.lease import lease_for_job
 from dflashpipe.runtime import job
@@ -8,13 +7,10 @@ with job(snakemake.log[0], threads=snakemake.threads, name=f"expand {snakemake.w
     p = snakemake.params
     lease = lease_for_job(snakemake.config)  # any free GPU slot
     log(f"leased slot {lease.slot}: device {lease.device}")
-    fields = {f.name for f in dataclasses.fields(ExpandSettings)}
-    values = {**snakemake.params.settings, "seed": snakemake.params.seed}
-    settings = ExpandSettings(**{k: v for k, v in values.items() if k in fields})
     expand_prompts(
         snakemake.input.prompts,
         snakemake.input.target,
-        settings,
+        settings(ExpandSettings, p.settings, seed=p.seed),
         snakemake.output[0],
         shard=int(snakemake.wildcards.shard),
         n_shards=snakemake.params.n_shards,

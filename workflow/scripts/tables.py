@@ -4,8 +4,8 @@ from dflashpipe.tables import write_tables
 with job(snakemake.log[0], name="tables") as log:
     write_tables(
         eval_summaries=dict(zip(snakemake.params.datasets, snakemake.input.eval)),
-        metrics_csvs=list(snakemake.input.metrics),
-        shard_summaries=list(snakemake.input.shard_summaries),
+        metrics_csv=snakemake.input.metrics,
+        train_summary=snakemake.input.train_summary,
         stamps=list(snakemake.input.stamps),
         out=dict(snakemake.output.items()),
         log=log,

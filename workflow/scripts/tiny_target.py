@@ -1,3 +1,4 @@
+from dflashpipe.config import settings
 from dflashpipe.data import read_prompts
 from dflashpipe.errors import UserError
 from dflashpipe.runtime import job
@@ -13,11 +14,8 @@ def chats(path):
 
 
 with job(snakemake.log[0], threads=snakemake.threads, name="tiny_target") as log:
-    params = dict(snakemake.params.cfg)
-    for key in ("threads", "train_datasets", "heldout_dataset"):
-        params.pop(key)
-    params["max_minutes"] = snakemake.config["target"]["tiny"]["max_minutes"]
-    cfg = TinyTargetConfig(**params, seed=snakemake.params.seed)
+    # params: the result-changing keys; the max_minutes safety stop is read here
+    cfg = settings(TinyTargetConfig, snakemake.config["target"]["tiny"], snakemake.params.cfg, seed=snakemake.params.seed)
     train = [c for path in snakemake.input.train for c in chats(path)]
     metrics = train_tiny_target(train, chats(snakemake.input.heldout), cfg, snakemake.output.model, snakemake.output.metrics, log=log)
     log(

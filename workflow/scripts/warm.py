@@ -16,7 +16,8 @@ with job(snakemake.log[0], threads=snakemake.threads, name=f"warm_slot{slot}") a
         log(f"seeded the cache with {seeded} files compiled by warm_slot{slot - 1}")
     cache = use_slot_cache(p.cache_root, slot)
     cfg = TrainConfig.from_sections(p.compile["drafter"], p.compile["train"], p.seed)
-    out = warm_compile(cfg, snakemake.input.tokenized, snakemake.input.target, lease.device, log=log)
+    shards = p.compile["train"]["shards"]  # a warm job compiles one rank's shapes of a run of that many ranks
+    out = warm_compile(cfg, snakemake.input.tokenized, snakemake.input.target, lease.device, shards, log=log)
     stamp = write_stamp(snakemake.output[0], out["signature"], lease.device, cache, out["bucket_seconds"], slot,
                         interval=(started, time.time()))
     log(f"stamp {stamp['fingerprint']}: {stamp['compile_seconds']:.1f}s compiling, counters {stamp['counters']}")

@@ -1,0 +1,283 @@
+"""The pipeline's promises under edits, kills, faults and bad input, through real Snakemake runs.
+
+Each test works on a private copy of the mini run (conftest.mini_copy: K=2 gloo shards on CPU,
+6 steps, a checkpoint every 2) and compares with the mini run itself, which is the uninterrupted
+reference. Faults are injected with DFLASH_FAULTS (dflashpipe.faults): a rank parks at a known
+step so the test can SIGKILL the whole Snakemake process group, a rank is killed, or the export
+hits a full disk. Same code, config and K on the CPU in fp32 give the same numbers, so a resumed
+run must match the reference to 1e-6; another K changes only the summation order of the gradient
+all-reduce (~1e-7 relative per step, far below the ~6e-4 a step moves a weight): 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from conftest import REPO, mini_config, planned_rules, snakemake, snakemake_cmd, snakemake_env, write_config
+
+
+def weights(work: Path) -> dict:
+    return load_file(work / "results/drafter/model.safetensors")
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def metrics(work: Path) -> pd.DataFrame:
+    return pd.read_csv(work / "results/train/metrics.csv")
+
+
+def summary(work: Path) -> dict:
+    return json.loads((work / "results/train/summary.json").read_text())
+
+
+def rank_log(work: Path, k: int = 0) -> str:
+    return (work / f"results/logs/train/rank{k}.log").read_text()
+
+
+def run(work: Path, cfg: Path, *targets: str, forcerun: str | None = None, cores: int = 2, env=None):
+    """``snakemake TARGETS --cores N [--forcerun RULE] --configfile CFG`` (targets first: the options take lists)."""
+    args = [*targets, "--cores", str(cores), *(["--forcerun", forcerun] if forcerun else []), "--configfile", str(cfg)]
+    return snakemake(work, *args, env=env)
+
+
+def run_ok(work: Path, cfg: Path, *targets: str, **kw):
+    res = run(work, cfg, *targets, **kw)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+def faults(*items: dict, marker: Path | None = None) -> dict:
+    extra = {"DFLASH_FAULTS": json.dumps(list(items))}
+    if marker:
+        extra["DFLASH_FAULT_MARKER"] = str(marker)
+    return snakemake_env(**extra)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.startswith("ERROR:")]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            if text in (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                pids.append(int(p.name))
+        except OSError:
+            continue
+    return pids
+
+
+# -- edits retrain; --forcerun retrains; an unchanged rerun after a kill resumes -------------------
+
+
+def test_an_edit_of_the_training_code_retrains_from_step_one(mini_run, mini_copy):
+    ref, _ = mini_run
+    work, cfg = mini_copy
+    data_py = REPO / "workflow/dflashpipe/drafter/data.py"
+    original = data_py.read_text()
+    try:
+        data_py.write_text(original + "\nTRAIN_SALT = 7  # an edit: other anchors\n")
+        run_ok(work, cfg, "results/drafter")
+    finally:
+        data_py.write_text(original)
+    s = summary(work)
+    assert s["resumed_from_step"] is None and "resumed" not in rank_log(work)
+    assert list(metrics(work)["step"]) == [1, 2, 3, 4, 5, 6]
+    assert max_diff(weights(work), weights(ref)) > 1e-3  # really retrained, with the edited code
+    assert s["checkpoint_dir"] != summary(ref)["checkpoint_dir"]  # the run of the old code stays apart
+
+    # --forcerun of a finished run trains again from scratch (and, deterministic, gives the same drafter)
+    run_ok(work, cfg, "results/drafter", forcerun="train")
+    assert "holds a finished run of the same code and settings; this job trains again from scratch" in rank_log(work)
+    assert summary(work)["resumed_from_step"] is None
+    assert max_diff(weights(work), weights(ref)) <= 1e-6
+
+
+def test_sigkill_of_the_whole_run_then_the_plain_rerun_resumes_with_every_step(mini_run, mini_copy, tmp_path):
+    ref, _ = mini_run
+    work, cfg = mini_copy
+    marker = tmp_path / "parked"
+    env = faults({"at": "train.step", "step": 5, "rank": 0, "do": "park"}, marker=marker)
+    proc = subprocess.Popen(snakemake_cmd(work, "--cores", "2", "--forcerun", "train", "--configfile", str(cfg)),
+                            cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while not marker.exists():
+        assert proc.poll() is None, "the run ended before reaching step 5"
+        assert time.time() < deadline
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    time.sleep(1)
+    assert processes_mentioning(str(work)) == []  # no rank survives its job
+    assert not (work / "results/train/summary.json").exists()
+
+    # the README's rerun after a kill: Snakemake's lock of the killed run, then the same command
+    assert snakemake(work, "--unlock", "--configfile", str(cfg)).returncode == 0
+    run_ok(work, cfg)
+    assert "resumed from step 4" in rank_log(work, 0) and "resumed from step 4" in rank_log(work, 1)
+    m, r = metrics(work), metrics(ref)
+    assert list(m["step"]) == [1, 2, 3, 4, 5, 6]  # every step once: the history survived the kill
+    assert (m["loss"] - r["loss"]).abs().max() <= 1e-6 and (m["heldout_loss"].dropna() - r["heldout_loss"].dropna()).abs().max() <= 1e-6
+    assert max_diff(weights(work), weights(ref)) <= 1e-6
+    assert len(pd.read_csv(work / "results/tables/training.csv")) == 6  # plots and tables see the whole run
+
+
+def test_a_killed_rank_and_a_failed_export_recover_on_a_plain_rerun(mini_run, mini_copy):
+    ref, _ = mini_run
+    work, cfg = mini_copy
+    drafter = "results/drafter"
+
+    res = run(work, cfg, drafter, forcerun="train", env=faults({"at": "train.step", "step": 3, "rank": 1, "do": "kill"}))
+    assert res.returncode != 0
+    (line,) = {ln.split("  [")[0] for ln in error_lines(res.stderr)}
+    assert "train rank 1 of 2 failed (exit code -9), the other ranks were stopped" in line
+    assert not (work / "results/train/summary.json").exists() and not (work / "results/drafter").exists()
+    run_ok(work, cfg, drafter)
+    assert "resumed from step 2" in rank_log(work)
+    assert max_diff(weights(work), weights(ref)) <= 1e-6
+
+    res = run(work, cfg, drafter, forcerun="train", env=faults({"at": "train.export", "rank": 0, "do": "raise"}))
+    assert res.returncode != 0
+    assert any("cannot write the run's outputs ([Errno 28] No space left on device" in ln for ln in error_lines(res.stderr))
+    run_ok(work, cfg, drafter)
+    assert "resumed from step 6" in rank_log(work)  # nothing retrained: only the outputs were written
+    assert list(metrics(work)["step"]) == [1, 2, 3, 4, 5, 6]
+    assert max_diff(weights(work), weights(ref)) <= 1e-6
+
+
+# -- more GPUs, the same drafter -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("shards,cores", [(1, 2), (4, 1)])
+def test_any_number_of_shards_trains_the_same_drafter(mini_run, mini_copy, shards, cores):
+    """K=1 and K=4 against the reference's K=2: same steps, same global batches, same weights.
+    Asking for the drafter alone brings the whole run; 4 shards on 1 core run (slowly), they
+    cannot wait for each other since one job starts them together."""
+    ref, _ = mini_run
+    work, _ = mini_copy
+    c = mini_config()
+    c["train"]["shards"] = shards
+    c["gpu"]["slots"] = max(2, shards)
+    cfg = write_config(work / f"k{shards}.yaml", c)
+    assert planned_rules(work, "results/drafter", "--configfile", str(cfg)).get("train") == 1
+    run_ok(work, cfg, "results/drafter", cores=cores)
+    s, r = summary(work), summary(ref)
+    assert (s["world_size"], s["rank_batch"]) == (shards, 4 // shards)
+    assert (s["steps"], s["global_batch"], s["train_samples"]) == (r["steps"], r["global_batch"], r["train_samples"])
+    assert (metrics(work)["loss"] - metrics(ref)["loss"]).abs().max() <= 1e-5
+    assert max_diff(weights(work), weights(ref)) <= 1e-5
+
+
+# -- evaluation that sees accepted drafts -----------------------------------------------------
+
+
+def constant_drafter(drafter_dir: Path, target_dir: Path, token: int) -> None:
+    """Rewrite an exported drafter so that it proposes ``token`` at every block position.
+
+    Its layers pass the block embeddings through unchanged (attention and MLP outputs zeroed),
+    so position k >= 1 carries the MASK embedding; the final RMSNorm weight then maps that onto
+    a direction whose logits under the target's LM head peak at ``token``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads((drafter_dir / "config.json").read_text())
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    W = target.get_output_embeddings().weight.detach().double()
+    e = target.get_input_embeddings().weight[cfg["dflash_config"]["mask_token_id"]].detach().double()
+    x = e / e.pow(2).mean().add(cfg["rms_norm_eps"]).sqrt()
+    u = torch.linalg.lstsq(W, 10.0 * torch.nn.functional.one_hot(torch.tensor(token), W.shape[0]).double()).solution
+    assert int((W @ u).argmax()) == token, "no final-norm weight makes the LM head pick the token"
+    state = load_file(drafter_dir / "model.safetensors")
+    for k in state:
+        if k.endswith(("o_proj.weight", "down_proj.weight")):
+            state[k] = torch.zeros_like(state[k])
+    state["norm.weight"] = (u / x).to(state["norm.weight"].dtype)
+    save_file(state, drafter_dir / "model.safetensors")
+
+
+def test_workflow_lossless_check_sees_accepted_drafts(mini_copy):
+    """The mini target's greedy reply to the held-out prompts is one token repeated; a drafter
+    built to propose it must have its drafts accepted by the evaluate job, and DFlash's output
+    must still equal AR's token for token."""
+    work, cfg = mini_copy
+    r = work / "results"
+    ar = pd.read_parquet(r / "eval/math_heldout.samples.parquet").query("method == 'ar'")
+    token = int(ar["output_ids"].iloc[0][0])
+    assert all(set(ids) == {token} for ids in ar["output_ids"]), "precondition: the mini target repeats one token"
+    constant_drafter(r / "drafter", r / "target/model", token)
+    run_ok(work, cfg, forcerun="evaluate")
+    s = json.loads((r / "eval/math_heldout.summary.json").read_text())
+    d = s["methods"]["dflash"]
+    assert s["lossless"]["passed"] and s["lossless"]["exact_matches"] == 2
+    assert d["acceptance_histogram"][-1] > 0 and d["tau_pooled"] > 2  # whole blocks accepted (block size 4)
+    assert pd.read_csv(r / "tables/eval.csv").query("method == 'dflash'")["tau_pooled"].iloc[0] > 2
+
+
+# -- bad input: one line naming the file; nothing half-written taken as complete ---------------
+
+
+def test_a_truncated_expansion_is_one_line_and_recovers_once_deleted(mini_copy):
+    work, cfg = mini_copy
+    bad = work / "results/expanded/math.parquet"
+    bad.write_bytes(bad.read_bytes()[:2000])
+    res = run(work, cfg, "results/tokenized/train", forcerun="tokenize")
+    assert res.returncode != 0
+    (line,) = {ln.split("  [")[0] for ln in error_lines(res.stderr)}
+    assert line.startswith("ERROR: results/expanded/math.parquet: cannot read (")
+    assert "truncated or corrupt: delete it and rerun" in line and "Traceback" not in res.stderr
+    bad.unlink()
+    run_ok(work, cfg, "results/tokenized/train")
+
+
+def test_outputs_follow_the_umask(mini_run):
+    work, _ = mini_run
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in ["results/train/summary.json", "results/train/metrics.csv", "results/eval/math_heldout.summary.json",
+              "results/tokenized/stats.json", "results/warm/slot0.json"]:
+        assert (work / f).stat().st_mode & 0o777 == 0o666 & ~mask, f
+    for d in ["results/drafter", "results/tokenized/train", "results/target/model"]:
+        assert (work / d).stat().st_mode & 0o777 == 0o777 & ~mask, d
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path):
+    bad = tmp_path / "my.yaml"
+    bad.write_text("train:\n  shards: 2\n   lr: [1, 2\n")
+    res = subprocess.run([os.sys.executable, "-m", "dflashpipe.config", str(bad)], capture_output=True, text=True)
+    assert res.returncode == 1
+    assert res.stderr.strip() == (f"ERROR: {bad}:3:6: YAML syntax error (mapping values are not allowed here); "
+                                  "fix that line (indentation, a missing ':' or bracket)")
+    good = tmp_path / "ok.yaml"
+    good.write_text(yaml.safe_dump({"train": {"lr": 0.001}}))
+    assert subprocess.run([os.sys.executable, "-m", "dflashpipe.config", str(good)], capture_output=True).returncode == 0
+
+
+def test_the_wall_clock_safety_stop_fails_the_job_instead_of_passing_on_a_cut_model(micro_target):
+    from transformers import AutoTokenizer
+
+    from dflashpipe.errors import UserError
+    from dflashpipe.tiny_target import TinyTargetConfig, build_model, train_lm
+
+    tok = AutoTokenizer.from_pretrained(str(micro_target))
+    cfg = TinyTargetConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+                           seq_len=32, batch_size=2, max_steps=5, max_minutes=1e-9)
+    with pytest.raises(UserError) as e:
+        train_lm(build_model(cfg, tok), [list(range(5, 200))] * 4, cfg, log=lambda m: None, desc="tiny target",
+                 stop_key="target.tiny.max_minutes")
+    msg = str(e.value)
+    assert "the target.tiny.max_minutes safety stop" in msg and "after step 1 of 5" in msg and "nothing was saved" in msg

@@ -1,0 +1,177 @@
+"""Checkpoints of a training run, its metrics history, and what makes a run the same run.
+
+A run's checkpoints live in ``run_dir/checkpoints/<key>/``; the key hashes the
+run identity (:func:`run_identity`): everything that changes the trained
+weights, i.e. the drafter and train settings (operational keys excluded, see
+the config schema), the seed, the tokenized data, the target, and the source
+of the training code (the same module closure the compile-warm stamps
+fingerprint). So an edit of the training code or of a result-changing setting
+starts a fresh run, and a killed run of the same code and settings finds its
+own directory and resumes. The shard count is not part of the identity: the
+optimiser state is saved whole, so a run resumes at any K.
+
+Inside the directory:
+
+* ``identity.json``: the identity, readable;
+* ``step{N:07d}.pt``: the last two checkpoints (rank 0, atomic): weights, the
+  full AdamW state, the step, the latest figures. A checkpoint that does not
+  load (truncated, corrupt) is skipped for the one before it;
+* ``metrics.csv``: one row per step, appended as training goes and cut back to
+  the checkpoint's step on resume; published as the run's metrics output, so
+  the history of a resumed run equals an uninterrupted one's;
+* ``complete.json``: written once every rank finished and the outputs were
+  published. A job that finds it belongs to a rerun of a FINISHED run (its
+  outputs went missing, or ``--forcerun``) and trains again from scratch.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from dflashpipe.atomic import atomic_path, torch_save, write_json
+from dflashpipe.errors import UserError
+
+METRIC_FIELDS = (
+    "step", "epoch", "loss", "acc", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu",
+    "step_seconds", "peak_mem_mb", "heldout_loss", "heldout_acc",
+)  # fmt: skip
+KEEP = 2  # checkpoints kept
+
+
+def run_identity(cfg, tokenized_dir: str, target_dir: str) -> dict:
+    """Everything the trained weights depend on (readable; its hash keys the checkpoint directory)."""
+    from dflashpipe.config import operational_keys
+    from dflashpipe.hotstart import code_digest, train_step_code_files
+    from dflashpipe.target import target_fingerprint
+
+    skip = set(operational_keys("train"))
+    state = (Path(tokenized_dir) / "state.json").read_bytes()
+    return {
+        "train": {k: v for k, v in asdict(cfg).items() if k not in skip},
+        "data": hashlib.sha256(state).hexdigest()[:16],
+        "target": target_fingerprint(target_dir),
+        "code": code_digest(train_step_code_files()),
+    }
+
+
+def checkpoint_dir(run_dir: str, identity: dict) -> Path:
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return Path(run_dir) / "checkpoints" / key
+
+
+def _steps(ckpt_dir: Path) -> list[Path]:
+    return sorted(ckpt_dir.glob("step*.pt"))
+
+
+def start_run(ckpt_dir: Path, identity: dict, log=print) -> None:
+    """Rank 0, before anyone loads: clear a killed writer's leftovers; reset a finished run's directory."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    for junk in ckpt_dir.glob(".tmp-*"):
+        if junk.is_dir():
+            shutil.rmtree(junk, ignore_errors=True)
+        else:
+            junk.unlink(missing_ok=True)
+    done = ckpt_dir / "complete.json"
+    if done.exists():
+        log(f"{ckpt_dir} holds a finished run of the same code and settings; this job trains again from scratch")
+        for f in [*_steps(ckpt_dir), ckpt_dir / "metrics.csv", done]:
+            f.unlink(missing_ok=True)
+    write_json(ckpt_dir / "identity.json", identity)
+
+
+def mark_complete(ckpt_dir: Path, summary: dict | None = None) -> None:
+    write_json(Path(ckpt_dir) / "complete.json", {"finished_at": time.time(), **(summary or {})})
+
+
+def save_checkpoint(ckpt_dir: Path, step: int, model_state: dict, optimizer_state: dict, identity: dict,
+                    last: dict) -> Path:
+    """Rank 0: write step{N:07d}.pt atomically, then keep only the last two."""
+    path = ckpt_dir / f"step{step:07d}.pt"
+    state = {
+        "format": 2,
+        "step": step,  # also the data position: batches are a function of the step
+        "model": model_state,
+        "optimizer": optimizer_state,
+        "identity": identity,
+        "last": last,
+    }
+    torch_save(state, path)
+    for old in _steps(ckpt_dir)[:-KEEP]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def load_checkpoint(ckpt_dir: Path, identity: dict, log=print) -> dict | None:
+    """The newest checkpoint that loads and belongs to this run; None if there is none.
+
+    A checkpoint that does not load is skipped, with a line in the log, for the
+    one before it; if none loads, one line names them. Memory-mapped: K ranks
+    reading one file share its pages.
+    """
+    paths = _steps(ckpt_dir)
+    bad = []
+    for path in reversed(paths):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as err:  # noqa: BLE001 - truncated or corrupt: fall back to the previous one
+            detail = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+            log(f"WARNING: {path}: cannot load ({detail}); falling back to the checkpoint before it")
+            bad.append(path.name)
+            continue
+        if state.get("identity") != identity:
+            theirs = state.get("identity") or {}
+            diff = [k for k in sorted(set(theirs) | set(identity)) if theirs.get(k) != identity.get(k)]
+            raise UserError(
+                f"{path}: written by another run (differs in {', '.join(diff) or 'format'}); "
+                f"delete {ckpt_dir} to start over"
+            )
+        return state
+    if bad:
+        raise UserError(f"{ckpt_dir}: no checkpoint loads ({', '.join(bad)} are corrupt); delete {ckpt_dir} to start over")
+    return None
+
+
+class MetricsHistory:
+    """The run's per-step metrics, kept with its checkpoints (rank 0 writes; others hold a no-op)."""
+
+    def __init__(self, ckpt_dir: Path, resume_step: int, writer: bool):
+        self.path = Path(ckpt_dir) / "metrics.csv"
+        self._file = None
+        if not writer:
+            return
+        kept = []
+        if resume_step > 0 and self.path.is_file():
+            with open(self.path, newline="") as f:
+                kept = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= resume_step]
+        with atomic_path(self.path) as tmp:
+            with open(tmp, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=METRIC_FIELDS, extrasaction="ignore", lineterminator="\n")
+                w.writeheader()
+                w.writerows(kept)
+        self.resumed_rows = len(kept)
+        self._file = open(self.path, "a", newline="")
+        self._writer = csv.DictWriter(self._file, fieldnames=METRIC_FIELDS, extrasaction="ignore", lineterminator="\n")
+
+    def write(self, row: dict) -> None:
+        if self._file is not None:
+            self._writer.writerow(row)
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def publish(self, out_path: str) -> None:
+        """Copy the whole history to the run's metrics output, atomically."""
+        self.close()
+        with atomic_path(out_path) as tmp:
+            shutil.copyfile(self.path, tmp)

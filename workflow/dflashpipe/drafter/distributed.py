@@ -1,0 +1,119 @@
+"""Data parallelism with torch's own machinery: process group, DDP, ZeRO-1 AdamW.
+
+A run of K ranks is K processes (one per GPU, see :mod:`.launch`) that meet in
+a file rendezvous (NCCL on GPU, gloo on CPU; K=1 takes the same path):
+
+* gradients: :class:`~torch.nn.parallel.DistributedDataParallel`, bucketed
+  all-reduces launched as the backward produces each bucket's gradients, so
+  the exchange overlaps the backward (``gradient_as_bucket_view``: the
+  gradients live in the buckets, no second copy);
+* optimiser state: :class:`~torch.distributed.optim.ZeroRedundancyOptimizer`
+  (ZeRO-1): each rank keeps the AdamW moments of its own share of the
+  parameters (1/K of them), updates that share and broadcasts it. A checkpoint
+  holds the consolidated (full) state, so it loads at any K.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dflashpipe.errors import UserError
+
+
+def rendezvous_url(rdzv_dir: str, run_id: str) -> str:
+    """A file rendezvous unique to one launch of a run (a killed launch's file is never reused).
+
+    Files older than a day are removed: they belong to launches that died before cleaning up.
+    """
+    d = Path(rdzv_dir).resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    for old in d.glob("*"):
+        with contextlib.suppress(OSError):
+            if time.time() - old.stat().st_mtime > 86400:
+                old.unlink()
+    return f"file://{d / run_id}"
+
+
+def init_dist(init_method: str, rank: int, world_size: int, device: torch.device, timeout_s: float) -> None:
+    """Join the rendezvous, or fail with one line saying why peers are missing.
+
+    On CUDA the default group is "cpu:gloo,cuda:nccl": gloo connects every rank
+    eagerly (so a missing peer is a clean timeout here, not an NCCL watchdog
+    abort later), NCCL carries all tensors of the run.
+    """
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    except (RuntimeError, dist.DistError) as err:
+        detail = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+        raise UserError(
+            f"train rank {rank}: only some of the {world_size} ranks joined the rendezvous {init_method} "
+            f"(timed out after {timeout_s:.0f} s: {detail}); the ranks of a run are started together by one "
+            f"job, so a peer failed to start: see the other ranks' logs"
+        ) from None
+
+
+def all_reduce_(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    dist.all_reduce(t, op=op)
+    return t
+
+
+def check_same_on_all_ranks(**values: int) -> None:
+    """Fail with one line if integer facts (e.g. steps per epoch) differ between ranks."""
+    v = torch.tensor([float(x) for x in values.values()] + [-float(x) for x in values.values()], dtype=torch.float64)
+    all_reduce_(v, dist.ReduceOp.MAX)
+    n = len(values)
+    bad = [k for i, k in enumerate(values) if v[i].item() != -v[n + i].item()]
+    if bad:
+        raise UserError(f"train: ranks disagree on {', '.join(bad)}; every rank must read the same tokenized data and config")
+
+
+def gather(obj) -> list:
+    """``obj`` of every rank, in rank order (a small picklable object)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def data_parallel(model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
+    """The drafter in DDP. Construction broadcasts rank 0's weights: every rank starts identical."""
+    return torch.nn.parallel.DistributedDataParallel(
+        model,
+        device_ids=None,  # single-device module: inputs are already on its device (the drafter has no buffers)
+        gradient_as_bucket_view=True,
+    )
+
+
+def sharded_adamw(model: torch.nn.Module, lr: float, weight_decay: float, device: torch.device):
+    """AdamW with its state sharded over the ranks (ZeRO-1); fused on CUDA.
+
+    Weight decay applies to matrices only (projections, ``fc``), never to
+    RMSNorm weights.
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, lr=lr, **kernel)
+
+
+def full_optimizer_state(opt) -> dict | None:
+    """The consolidated optimiser state on rank 0 (None elsewhere); a collective: every rank calls it."""
+    opt.consolidate_state_dict(to=0)
+    return opt.state_dict() if dist.get_rank() == 0 else None

@@ -1,0 +1,144 @@
+"""Start the K ranks of one training run together; they succeed or fail as one.
+
+One Snakemake job is one training run. It asks for K GPUs (``resources: gpu=K``)
+and starts K rank processes (``python -m dflashpipe.drafter.launch RANK SPEC``):
+each leases its own GPU slot k, sees its GPU as ``cuda:0`` and starts hot from
+slot k's warm cache. The launcher watches them: when one fails, the others are
+stopped at once (no rank waits for a dead peer until a timeout), and the job
+fails with the failing rank's error line. Rank processes die with the launcher
+(``PR_SET_PDEATHSIG``), so a killed job leaves nothing running.
+
+Why one job and not one per rank: Snakemake schedules jobs one by one, so with
+a job per rank a rerun could start a lone rank whose peers' outputs were
+already complete (after one rank failed, or when one output is asked for),
+and it would wait for peers that never come. With one job the K ranks are
+always scheduled, run, retried and invalidated together; on a cluster the job
+is one allocation of K GPUs (co-scheduled by construction).
+
+A run that finished is marked complete in its checkpoint directory only after
+every rank exited cleanly and the outputs exist (see :mod:`.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from dflashpipe.errors import UserError
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _error_line(log_path: str) -> str:
+    """The rank's ERROR line, else the last line of its log (the cause of a crash)."""
+    try:
+        lines = [ln.strip() for ln in Path(log_path).read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    errors = [ln for ln in lines if ln.startswith("ERROR:")]
+    return (errors[-1] if errors else (lines[-1] if lines else "empty log"))[:300]
+
+
+def launch(commands: list[list[str]], rank_logs: list[str], log=print, poll_s: float = 0.2, grace_s: float = 10.0) -> None:
+    """Run one process per rank; return when all exit 0, else stop the rest and raise one line."""
+    procs = []
+    # the package's parent directory on the children's path, installed or not
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    old_term = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # run the cleanup below
+    try:
+        for cmd in commands:
+            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
+        log(f"started {len(procs)} rank(s): pids {[p.pid for p in procs]}")
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                r = failed[0]
+                raise UserError(
+                    f"train rank {r} of {len(procs)} failed (exit code {codes[r]}), the other ranks were stopped: "
+                    f"{_error_line(rank_logs[r])}  [log: {rank_logs[r]}]"
+                )
+            if all(c == 0 for c in codes):
+                return
+            time.sleep(poll_s)
+    finally:
+        _stop(procs, grace_s)
+        signal.signal(signal.SIGTERM, old_term)
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+        p.terminate()
+    deadline = time.time() + grace_s
+    for p in alive:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run_training(*, world_size: int, threads_per_rank: int, cfg: dict, tokenized: str, target: str, run_dir: str,
+                 cache_root: str, stamps: list[str], gpu_config: dict, rank_logs: list[str], metrics_csv: str,
+                 summary_json: str, export_dir: str, log=print) -> dict:
+    """One training run of ``world_size`` ranks: launch them, then mark the run complete.
+
+    ``cfg`` is a :class:`~dflashpipe.drafter.train.TrainConfig` as a dict;
+    ``gpu_config`` the config's ``gpu`` section plus ``results`` (for the leases).
+    """
+    from .checkpoint import checkpoint_dir, mark_complete, run_identity
+    from .distributed import rendezvous_url
+    from .train import TrainConfig
+
+    ckpt = checkpoint_dir(run_dir, run_identity(TrainConfig(**cfg), tokenized, target))
+    spec = {
+        "world_size": world_size, "threads": threads_per_rank, "cfg": cfg, "tokenized": tokenized, "target": target,
+        "ckpt_dir": str(ckpt), "cache_root": cache_root, "stamps": stamps, "gpu_config": gpu_config,
+        "rank_logs": rank_logs, "metrics_csv": metrics_csv, "summary_json": summary_json, "export_dir": export_dir,
+        # a fresh rendezvous file per launch: a killed launch's file is never reused
+        "init_method": rendezvous_url(os.path.join(run_dir, "rendezvous"), uuid.uuid4().hex[:12]),
+    }
+    log(f"run {ckpt.name}: {world_size} rank(s) x {threads_per_rank} thread(s); checkpoints in {ckpt}")
+    arg = json.dumps(spec)
+    launch([[sys.executable, "-m", "dflashpipe.drafter.launch", str(r), arg] for r in range(world_size)], rank_logs, log)
+    summary = json.loads(Path(summary_json).read_text())
+    mark_complete(ckpt, {"steps": summary["steps"], "world_size": world_size})
+    return summary
+
+
+def rank_main(rank: int, spec: dict) -> None:
+    """One rank process: lease its GPU slot, point at the slot's warm cache, train."""
+    from dflashpipe.hotstart import hot_start, use_slot_cache
+    from dflashpipe.lease import lease_for_job
+    from dflashpipe.runtime import job
+
+    from .train import TrainConfig, train_rank
+
+    K = spec["world_size"]
+    with job(spec["rank_logs"][rank], threads=spec["threads"], name=f"train rank {rank}/{K}") as log:
+        lease = lease_for_job(spec["gpu_config"], slot=rank)
+        log(f"leased slot {rank}: device {lease.device} (CUDA_VISIBLE_DEVICES={lease.visible_devices})")
+        use_slot_cache(spec["cache_root"], rank)
+        train_rank(
+            TrainConfig(**spec["cfg"]), spec["tokenized"], spec["target"], spec["ckpt_dir"], rank, K,
+            spec["init_method"], lease.device, spec["metrics_csv"], spec["summary_json"],
+            export_dir=spec["export_dir"], log=log, hot_start=hot_start(spec["stamps"][rank], lease.device),
+        )
+
+
+if __name__ == "__main__":
+    rank_main(int(sys.argv[1]), json.loads(sys.argv[2]))

@@ -1,0 +1,248 @@
+"""One training step of the drafter, and the setup it runs with.
+
+The target is frozen: it supplies the context features (:mod:`.features`), the
+embedding of the block tokens and the LM head. Per step, every rank computes
+sum(w*CE), sum(w*correct) and sum(w) over its slice of the global batch; the
+sums are all-reduced, and each rank back-propagates
+``K * sum_local(w*CE) / sum_global(w)``. DistributedDataParallel averages the
+gradients over the K ranks (bucketed all-reduces overlapped with the backward),
+so every rank holds the gradient of the weighted mean over the GLOBAL batch:
+what one process computes on the whole batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dflashpipe.errors import UserError
+
+from .data import PRIME_SALT, make_batch, sample_seed
+from .distributed import all_reduce_
+from .features import context_features, use_compiled_target_layers
+from .loss import decayed_ce, use_compiled_ce
+from .masks import block_mask, block_position_ids, build_block_inputs, default_gamma, dense_mask
+from .model import use_compiled_flex_attention, use_compiled_layers, use_eager_layers
+
+
+@dataclass
+class Setup:
+    """Everything a step needs besides the models: resolved from TrainConfig + target + device + K."""
+
+    device: torch.device
+    attention: str  # "flex" | "sdpa"
+    compile: str  # "layers" | "flex" | "none" (always "none" on the SDPA path: nothing compiles)
+    autocast_dtype: torch.dtype | None  # bf16 on CUDA (fp32 master weights), None: plain fp32
+    target_dtype: torch.dtype
+    block_size: int
+    num_anchors: int
+    mask_token_id: int
+    layer_ids: list[int]
+    gamma: float
+    loss_chunk_size: int
+    grad_clip: float
+    rank_batch: int  # sequences per rank per step: train.batch_size / K
+
+
+def resolve_setup(cfg, device: str, mask_token_id: int, layer_ids: list[int], world_size: int = 1) -> Setup:
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    attention = cfg.attention if cfg.attention != "auto" else ("flex" if cuda else "sdpa")
+    if attention == "flex" and not cuda:
+        raise UserError("train.attention: flex has no backward on CPU; use sdpa (or auto) when training on the CPU")
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if cuda else "fp32")
+    bf16 = dtype == "bf16"
+    if cfg.batch_size % world_size:
+        raise UserError(
+            f"train.batch_size ({cfg.batch_size}) is the global batch of a step, split over {world_size} shards; "
+            "make it a multiple of train.shards"
+        )
+    return Setup(
+        device=dev,
+        attention=attention,
+        compile=cfg.compile if attention == "flex" else "none",
+        autocast_dtype=torch.bfloat16 if bf16 else None,
+        target_dtype=torch.bfloat16 if bf16 else torch.float32,
+        block_size=cfg.block_size,
+        num_anchors=cfg.num_anchors,
+        mask_token_id=int(mask_token_id),
+        layer_ids=list(layer_ids),
+        gamma=default_gamma(cfg.block_size),
+        loss_chunk_size=cfg.loss_chunk_size,
+        grad_clip=cfg.grad_clip,
+        rank_batch=cfg.batch_size // world_size,
+    )
+
+
+def setup_attention(setup: Setup) -> None:
+    """Install how a shard runs its layers on the flex (CUDA) path; SDPA (CPU) runs eager.
+
+    ``layers``: the drafter's layers (flex_attention inside), the target's
+    layers and the loss chunks are compiled graphs, one each shared by all
+    layers (norms, RoPE, SwiGLU, softmax-CE fused); ``flex``: only
+    flex_attention is compiled; ``none``: nothing is. On the flex path any
+    dense (uncompiled) flex_attention call is an error, whatever the mode: with
+    ``none`` the first attention call stops with one line instead of
+    materialising the full score matrix. Shapes are static: one graph per bucket.
+
+    Dynamo's DDP optimiser is off: it would split a graph compiled inside
+    DistributedDataParallel's forward at gradient-bucket boundaries, so a shard
+    would compile other graphs than the single-process warm job. The compiled
+    regions are single layers, whose gradients become ready layer by layer, so
+    DDP's bucketed all-reduces overlap the backward without it.
+    """
+    from dflashpipe.hotstart import forbid_dense_flex
+
+    use_eager_layers()
+    use_compiled_target_layers(False)
+    use_compiled_ce(False)
+    if setup.attention != "flex":
+        return
+    forbid_dense_flex()
+    torch._dynamo.config.optimize_ddp = False
+    if setup.compile == "layers":
+        use_compiled_layers(dynamic=False)
+        use_compiled_target_layers()
+        use_compiled_ce()
+    elif setup.compile == "flex":
+        use_compiled_flex_attention(dynamic=False)
+
+
+def lr_at(step: int, total_steps: int, cfg) -> float:
+    """LR of 0-based step ``step``: linear warm-up over warmup_ratio*total, then cosine to min_lr_ratio*lr."""
+    import math
+
+    warmup = math.ceil(cfg.warmup_ratio * total_steps)
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def _no_mark(phase: str) -> None:
+    pass
+
+
+def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
+    """Local (sum w*CE, sum w*correct, sum w) of one batch. Loss sum carries the gradient.
+
+    ``model`` is the drafter, or the drafter wrapped in DistributedDataParallel.
+    ``mark(phase)`` is called after the target forward and after the drafter
+    forward + loss (the benchmark times phases with it; a no-op otherwise).
+    """
+    S, bs = batch.input_ids.shape[1], setup.block_size
+    with torch.no_grad():
+        # Right padding: real tokens never see the pad after them, so no attention mask.
+        target_hidden = context_features(target, batch.input_ids, None, setup.layer_ids)
+        block_ids, labels, weights = build_block_inputs(
+            batch.input_ids, batch.loss_mask, batch.anchors, batch.keep, bs, setup.mask_token_id, setup.gamma
+        )
+        block_embeds = target.get_input_embeddings()(block_ids)
+        position_ids = block_position_ids(batch.anchors, S, bs)
+    mark("target_forward")
+    if setup.attention == "flex":
+        attn = block_mask(batch.anchors, batch.keep, S, bs, device=setup.device)
+    else:
+        attn = dense_mask(batch.anchors, batch.keep, S, bs)
+    autocast = (
+        torch.autocast(setup.device.type, dtype=setup.autocast_dtype)
+        if setup.autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
+    with autocast:
+        hidden = model(block_embeds, target_hidden, position_ids, attn)
+    lm_head = target.get_output_embeddings().weight
+    ce_sum, correct = decayed_ce(hidden, lm_head, labels, weights, setup.loss_chunk_size, reduction="sum")
+    mark("drafter_forward")
+    return ce_sum, correct, weights.sum()
+
+
+def train_step(model, target, opt, batch, lr: float, setup: Setup, mark=_no_mark) -> dict:
+    """One optimiser step of this rank on its slice of the global batch (collectives inside).
+
+    ``model``: the drafter in DistributedDataParallel (any K, K=1 included);
+    ``opt``: its optimiser (ZeRO-1 sharded AdamW in the pipeline). Returns the
+    global (all-ranks) loss, acc, weight, context tokens and the pre-clip
+    global grad norm. ``mark(phase)``: see :func:`forward_loss`; also called
+    after the backward (+ the tail of the gradient all-reduce) and after the
+    optimiser (+ ZeRO's parameter broadcast).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    for group in opt.param_groups:
+        group["lr"] = lr
+    # zeroed in place, not set to None: after DDP's first step the gradients are views of its
+    # all-reduce buckets (gradient_as_bucket_view); fresh gradient tensors would be a second copy
+    opt.zero_grad(set_to_none=False)
+    ce_sum, correct, w_sum = forward_loss(model, target, batch, setup, mark)
+    tokens = torch.tensor(float(batch.num_tokens), device=w_sum.device)
+    stats = all_reduce_(torch.stack([ce_sum.detach(), correct, w_sum, tokens]).float())  # global sums
+    w_global = stats[2].clamp(min=1e-6)
+    world_size = torch.distributed.get_world_size()
+    (ce_sum * world_size / w_global).backward()  # DDP averages over the K ranks
+    mark("backward")
+    if setup.grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, setup.grad_clip)
+    else:
+        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+    opt.step()
+    mark("optimizer")
+    loss, acc, gn = (stats[0] / w_global).item(), (stats[1] / w_global).item(), grad_norm.item()
+    return {"loss": loss, "acc": acc, "grad_norm": gn, "weight": stats[2].item(), "tokens": int(stats[3].item())}
+
+
+def prime_buckets(model, target, ds, buckets: np.ndarray, setup: Setup, seed: int, pad_id: int, log=print) -> dict:
+    """Run every graph a shard will run, once per length bucket, without changing any weight.
+
+    Per bucket: the training forward+backward (flex_attention's backward is
+    compiled lazily at the first ``.backward()``) and the held-out forward under
+    ``no_grad`` (Dynamo guards on grad mode: a separate graph), both on batches of
+    exactly one rank's training shape [rank_batch, bucket]. The compile-warm job
+    calls this to fill a slot's cache; a shard calls it before its first step
+    (through DDP, without gradient exchange) so that every compile happens up
+    front, from the warm cache, and can be checked. Returns seconds per bucket.
+    """
+    seconds = {}
+    # per bucket up to 3 graphs per compiled function (first drafter layer, the others, no-grad
+    # eval): lift Dynamo's per-function limit so no bucket ever falls back to eager
+    n_buckets = len(set(buckets.tolist()))
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * n_buckets + 8)
+    no_sync = model.no_sync if hasattr(model, "no_sync") else contextlib.nullcontext
+    drafter = getattr(model, "module", model)
+    for b in sorted(set(buckets.tolist())):
+        t0 = time.time()
+        idx = np.flatnonzero(buckets == b)[: setup.rank_batch]
+        seeds = [sample_seed(seed, PRIME_SALT, int(i)) for i in idx]
+        batch = make_batch(ds[idx.tolist()], int(b), seeds, pad_id, setup.num_anchors, setup.block_size, setup.device,
+                           pad_rows_to=setup.rank_batch)
+        with no_sync():
+            ce_sum, _, w_sum = forward_loss(model, target, batch, setup)
+            (ce_sum / w_sum.clamp(min=1e-6)).backward()
+        drafter.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            drafter.eval()
+            forward_loss(drafter, target, batch, setup)
+            drafter.train()
+        if setup.device.type == "cuda":
+            torch.cuda.synchronize(setup.device)
+        seconds[int(b)] = time.time() - t0
+        log(f"primed bucket {b}: {seconds[int(b)]:.2f}s")
+    return seconds
+
+
+def compile_signature(setup: Setup, drafter_config: dict, buckets: np.ndarray) -> dict:
+    """What decides the compiled code of a shard's step (shapes, dtypes, backend), for the warm stamp."""
+    return {
+        "drafter": drafter_config,
+        "rank_batch": setup.rank_batch,
+        "num_anchors": setup.num_anchors,
+        "loss_chunk_size": setup.loss_chunk_size,
+        "attention": setup.attention,
+        "compile": setup.compile,
+        "compiled_flex": setup.attention == "flex" and setup.compile != "none",
+        "dtype": "bf16" if setup.autocast_dtype else "fp32",
+        "buckets": sorted(int(b) for b in set(buckets.tolist())),
+    }
