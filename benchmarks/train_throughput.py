@@ -1,33 +1,39 @@
-"""Drafter training throughput at Qwen3-8B shapes: context tokens/s, step split, memory, MFU.
+"""Drafter training throughput at Qwen3-8B shapes on K GPUs: tokens/s, step split, exchange, memory, MFU.
 
 Builds a Qwen3-8B-shaped target (36 layers, hidden 4096, GQA 32/8, head dim
 128, vocab 151936; random bf16 weights: throughput does not depend on them) and
 the paper's 5-layer DFlash drafter, then runs the PIPELINE'S OWN training step
-(:func:`dflashpipe.drafter.train.train_step`, one rank) on S=3072 context
-tokens with 512 anchors and block size 16. Numerics as in the pipeline: frozen
-bf16 target, fp32 master weights and AdamW state, bf16 autocast.
+(:func:`dflashpipe.drafter.step.train_step`: DDP, ZeRO-1 AdamW) on S=3072
+context tokens per GPU with 512 anchors and block size 16, one sequence per GPU
+per step. Numerics as in the pipeline: frozen bf16 target, fp32 master weights
+and AdamW state, bf16 autocast.
 
-Reported:
+``--ranks 1,2`` runs K=1, then K=2 (one process per GPU, NCCL, the pipeline's
+file rendezvous) in one call; the compile cache is shared, so later runs load
+the graphs the first one compiled. Per K (rank 0's view, memory of every rank):
 
-* context tokens/s from steps run back to back (no extra syncs),
+* context tokens/s per GPU from steps run back to back (no extra syncs),
 * the step split, from separate steps with a CUDA sync at each phase boundary
-  (``mark`` hooks of ``train_step``): target forward (embedding + the layers up
-  to the deepest tapped one; no LM head), drafter forward (+ chunked LM head,
-  decayed CE and the LM head's input-gradient matmul, which the fused CE does
-  in its forward), backward (+ gradient all-reduce), optimiser (clip + fused AdamW),
-* memory: target weights, drafter + optimiser state, and the peak of a step,
-* MFU: model matmul FLOPs per step / step time / the bf16 matmul peak measured
-  on the same GPU (8192^3).
+  (``mark`` hooks of ``train_step``): target forward (the layers up to the
+  deepest tapped one; no LM head), drafter forward (+ chunked LM head, decayed
+  CE and the LM head's input-gradient matmul, fused in its forward), backward
+  (+ the tail of DDP's overlapped all-reduce), optimiser (clip + fused AdamW on
+  this rank's share + ZeRO's parameter broadcast),
+* ``exposed_exchange_ms``: the backward with gradient exchange minus the same
+  backward under ``no_sync()`` (no exchange), i.e. the communication the
+  backward does not hide,
+* all-reduce bus bandwidth on a 1 GiB fp32 buffer (NCCL's busbw convention),
+* peak memory per GPU, MFU (model matmul FLOPs / step time / the bf16 matmul
+  peak measured on the same GPU, 8192^3).
 
-``--compile`` is the pipeline's ``train.compile``: ``layers`` (default: the
-drafter layers with flex_attention inside, the target layers and the loss
-chunks compiled, one graph shared by all layers of a kind), ``flex`` (only
-flex_attention compiled) or ``none`` (uncompiled flex_attention: the dense-flex
-guard must stop the step with an error instead of materialising the scores).
+``--optimizer replicated`` keeps the whole AdamW state on every rank (plain
+fused AdamW) instead of ZeRO-1, to compare. ``--compile`` is the pipeline's
+``train.compile``: ``layers`` (default), ``flex`` or ``none`` (uncompiled
+flex_attention: the dense-flex guard must stop the step with an error).
 
-    python benchmarks/train_throughput.py --out $OUT/throughput.json
+    python benchmarks/train_throughput.py --ranks 1,2 --out $OUT/throughput.json
     python benchmarks/train_throughput.py --compile none        # the guard, same shapes
-    python benchmarks/train_throughput.py --device cpu --tiny   # smoke run of the code path
+    python benchmarks/train_throughput.py --device cpu --tiny --ranks 1,2   # smoke run of the code path
 
 Peer measured on one H200 with torch 2.11 at these shapes (see the GPU-scale
 issue): SpecForge's DFlash trainer, 10,178 context tokens/s, step 0.302 s
@@ -39,6 +45,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -102,84 +110,56 @@ def build_target(shapes: dict, S: int, bs: int, device: str):
     return target, tcfg
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
-    p.add_argument("--seq-len", type=int, default=3072)
-    p.add_argument("--anchors", type=int, default=512)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--layers", type=int, default=5, help="drafter layers")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--compile", default="layers", choices=["layers", "flex", "none"], help="the pipeline's train.compile")
-    p.add_argument("--no-compile", action="store_true", help="same as --compile none")
-    p.add_argument("--out", default=None)
-    p.add_argument("--profile", default=None, help="write a torch.profiler table of 3 steps to this file")
-    a = p.parse_args(argv)
-    if a.no_compile:
-        a.compile = "none"
+def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
+    """One rank of a K-rank run (its own process, its GPU as cuda:0). Rank 0 returns the figures."""
+    import contextlib
 
+    import torch.distributed as dist
+
+    from dflashpipe.drafter.data import make_batch
+    from dflashpipe.drafter.distributed import data_parallel, gather, init_dist, sharded_adamw
     from dflashpipe.drafter.features import trim_unused_layers
     from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
-    from dflashpipe.drafter.train import TrainConfig, _resolve_device, init_dist, make_batch, resolve_setup, setup_attention, train_step
+    from dflashpipe.drafter.step import resolve_setup, setup_attention, train_step
+    from dflashpipe.drafter.train import TrainConfig, resolve_device
 
     cuda = a.device.startswith("cuda")
     shapes = TINY if a.tiny else QWEN3_8B
     S = 256 if a.tiny else a.seq_len
     N = 16 if a.tiny else a.anchors
     bs = a.block_size
-    dev = _resolve_device(a.device)
-    init_dist(f"file://{tempfile.mkdtemp()}/rdzv", 0, 1, dev, 120)
+    dev = resolve_device(a.device)
+    init_dist(rdzv, rank, world, dev, 600)
 
-    target, tcfg = build_target(shapes, S, bs, a.device)
+    target, tcfg = build_target(shapes, S, bs, str(dev))
     mask_id = tcfg.vocab_size - 1
     dcfg = DrafterConfig.from_target_config(tcfg, a.layers, bs, mask_id)
-    cfg = TrainConfig(num_layers=a.layers, block_size=bs, num_anchors=N, batch_size=1, compile=a.compile)
-    setup = resolve_setup(cfg, a.device, mask_id, dcfg.target_layer_ids)
+    cfg = TrainConfig(num_layers=a.layers, block_size=bs, num_anchors=N, batch_size=world, compile=a.compile)
+    setup = resolve_setup(cfg, str(dev), mask_id, dcfg.target_layer_ids, world)  # one sequence per GPU
     dropped = trim_unused_layers(target, dcfg.target_layer_ids)
-    setup_attention(setup, cfg)  # on the flex path: dense flex_attention calls raise
+    setup_attention(setup)  # on the flex path: dense flex_attention calls raise
     mem = {}
     if cuda:
         torch.cuda.empty_cache()
         mem["target_gib"] = torch.cuda.memory_allocated() / GIB
     torch.manual_seed(0)
     drafter = DFlashDrafter(dcfg).to(dev).train()  # fp32 master weights, as the pipeline
-    opt = torch.optim.AdamW(drafter.parameters(), lr=6e-4, **({"fused": True} if cuda else {"foreach": True}))
+    model = data_parallel(drafter)
+    if a.optimizer == "zero":
+        opt = sharded_adamw(model, 6e-4, 0.0, dev)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=6e-4, **({"fused": True} if cuda else {"foreach": True}))
 
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(rank)
     rows = {"input_ids": [torch.randint(0, tcfg.vocab_size - 2, (S,), generator=g).tolist()],
             "loss_mask": [[0] * (S // 8) + [1] * (S - S // 8)]}
 
-    def batch(step: int):
-        return make_batch(rows, S, [step], 0, setup)  # anchors re-sampled per step, as in training
+    def batch(step: int):  # anchors re-sampled per step, as in training
+        return make_batch(rows, S, [step * world + rank], 0, N, bs, dev)
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    result = {"shapes": shapes, "seq_len": S, "anchors": N, "block_size": bs, "drafter_layers": a.layers,
-              "target_layers_run": max(dcfg.target_layer_ids) + 1, "target_layers_dropped": dropped,
-              "torch": torch.__version__, "device": torch.cuda.get_device_name(0) if cuda else "cpu",
-              "compile": a.compile if setup.attention == "flex" else "none (sdpa)"}
-    try:
-        t0 = time.perf_counter()
-        train_step(drafter, target, opt, batch(0), 6e-4, setup)  # compile + first step (allocates AdamW state)
-        sync()
-        result["first_step_s"] = time.perf_counter() - t0
-        train_step(drafter, target, opt, batch(1), 6e-4, setup)
-        if cuda:
-            sync()
-            mem["after_step_gib"] = torch.cuda.memory_allocated() / GIB  # target + drafter + grads + AdamW
-            torch.cuda.reset_peak_memory_stats()
-        # throughput: back to back, only the step's own host syncs
-        batches = [batch(2 + i) for i in range(a.steps)]
-        sync()
-        t0 = time.perf_counter()
-        for b in batches:
-            train_step(drafter, target, opt, b, 6e-4, setup)
-        sync()
-        step_s = (time.perf_counter() - t0) / a.steps
-        if cuda:
-            mem["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
-            mem["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
-        # split: the same steps with a sync at every phase boundary
+
+    def timed_split(batches, no_sync: bool) -> dict:
         split = {k: 0.0 for k in PHASES}
         for b in batches:
             sync()
@@ -191,13 +171,48 @@ def main(argv=None) -> int:
                 split[phase] += now - last[0]
                 last[0] = now
 
-            train_step(drafter, target, opt, b, 6e-4, setup, mark=mark)
-        if a.profile:
-            write_profile(a.profile, lambda: [train_step(drafter, target, opt, b, 6e-4, setup) for b in batches[:3]], cuda)
+            with model.no_sync() if no_sync else contextlib.nullcontext():
+                train_step(model, target, opt, b, 6e-4, setup, mark=mark)
+        return {k: 1000 * v / len(batches) for k, v in split.items()}
+
+    result = {"ranks": world, "optimizer": a.optimizer, "shapes": shapes, "seq_len": S, "anchors": N, "block_size": bs,
+              "drafter_layers": a.layers, "target_layers_run": max(dcfg.target_layer_ids) + 1,
+              "target_layers_dropped": dropped, "torch": torch.__version__,
+              "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+              "compile": setup.compile if setup.attention == "flex" else "none (sdpa)"}
+    try:
+        t0 = time.perf_counter()
+        train_step(model, target, opt, batch(0), 6e-4, setup)  # compile + first step (allocates AdamW state)
+        sync()
+        result["first_step_s"] = time.perf_counter() - t0
+        train_step(model, target, opt, batch(1), 6e-4, setup)
+        if cuda:
+            sync()
+            mem["after_step_gib"] = torch.cuda.memory_allocated() / GIB  # target + drafter + grads + AdamW share
+            torch.cuda.reset_peak_memory_stats()
+        batches = [batch(2 + i) for i in range(a.steps)]
+        sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for b in batches:  # throughput: back to back, only the step's own host syncs
+            train_step(model, target, opt, b, 6e-4, setup)
+        sync()
+        step_s = (time.perf_counter() - t0) / a.steps
+        if cuda:
+            mem["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+            mem["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+        split = timed_split(batches, no_sync=False)
+        split_local = timed_split(batches, no_sync=True) if world > 1 else split
+        bus = allreduce_busbw(dev, world, elements=(2**18 if a.tiny else 2**28))
+        if a.profile and rank == 0:
+            write_profile(a.profile, lambda: [train_step(model, target, opt, b, 6e-4, setup) for b in batches[:3]], cuda)
     except RuntimeError as err:
         result["error"] = str(err).strip().splitlines()[0]
         result["memory"] = mem
-        return finish(result, a.out)
+        return result if rank == 0 else None
+    per_rank_mem = gather(mem)
+    if rank != 0:
+        return None
     kept = [b.anchors[b.keep].float() for b in batches]
     keys_per_query = float(torch.cat(kept).mean()) + bs  # context before the anchor + the block
     flops = model_flops(tcfg, dcfg, S, N * bs, max(dcfg.target_layer_ids), keys_per_query)
@@ -206,18 +221,94 @@ def main(argv=None) -> int:
     result["compiled_graphs"] = counters["stats"].get("unique_graphs", 0)
     result.update(
         step_s=step_s,
-        context_tokens_per_s=S / step_s,
-        split_ms={k: 1000 * v / a.steps for k, v in split.items()},
-        split_sum_ms=1000 * sum(split.values()) / a.steps,
+        context_tokens_per_s_per_gpu=S / step_s,
+        context_tokens_per_s=world * S / step_s,
+        split_ms=split,
+        split_sum_ms=sum(split.values()),
+        backward_without_exchange_ms=split_local["backward"],
+        exposed_exchange_ms=split["backward"] - split_local["backward"],
+        allreduce=bus,
         memory=mem,
+        memory_per_rank=per_rank_mem,
         drafter_keys_per_query=keys_per_query,
-        model_tflop_per_step=sum(flops.values()) / 1e12,
+        model_tflop_per_step_per_gpu=sum(flops.values()) / 1e12,
         tflop_per_phase={k: v / 1e12 for k, v in flops.items()},
     )
     if cuda:
-        peak = matmul_peak_tflops(a.device)
+        peak = matmul_peak_tflops(str(dev))
         result.update(matmul_peak_tflops=peak, mfu=sum(flops.values()) / step_s / 1e12 / peak)
-    return finish(result, a.out)
+    return result
+
+
+def allreduce_busbw(dev, world: int, elements: int, reps: int = 5) -> dict | None:
+    """Time an all-reduce of ``elements`` fp32 values: algorithm and bus bandwidth (NCCL's conventions)."""
+    import torch.distributed as dist
+
+    if world == 1:
+        return None
+    x = torch.ones(elements, dtype=torch.float32, device=dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    for _ in range(2):
+        dist.all_reduce(x)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dist.all_reduce(x)
+    sync()
+    sec = (time.perf_counter() - t0) / reps
+    size = x.numel() * 4
+    return {"bytes": size, "seconds": sec, "algbw_gb_s": size / sec / 1e9, "busbw_gb_s": size / sec / 1e9 * 2 * (world - 1) / world}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
+    p.add_argument("--seq-len", type=int, default=3072)
+    p.add_argument("--anchors", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=5, help="drafter layers")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--ranks", default="1", help="comma-separated K values, run one after another (e.g. 1,2)")
+    p.add_argument("--optimizer", default="zero", choices=["zero", "replicated"], help="ZeRO-1 (the pipeline) or replicated AdamW")
+    p.add_argument("--compile", default="layers", choices=["layers", "flex", "none"], help="the pipeline's train.compile")
+    p.add_argument("--no-compile", action="store_true", help="same as --compile none")
+    p.add_argument("--out", default=None)
+    p.add_argument("--profile", default=None, help="write a torch.profiler table of 3 steps (rank 0) to this file")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: "rank,world,rendezvous"
+    a = p.parse_args(argv)
+    if a.no_compile:
+        a.compile = "none"
+    if a.worker:
+        rank, world, rdzv = a.worker.split(",", 2)
+        out = worker(a, int(rank), int(world), rdzv)
+        if out is not None:
+            print("RESULT " + json.dumps(out), flush=True)
+        return 0
+
+    # one shared compile cache: the first K compiles, the later ones load (as the pipeline's warm chain)
+    cache = tempfile.mkdtemp(prefix="throughput_cache_")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor", TRITON_CACHE_DIR=f"{cache}/triton", PYTHONUNBUFFERED="1")
+    own = [x for x in (argv if argv is not None else sys.argv[1:])]
+    results = []
+    for world in [int(k) for k in a.ranks.split(",")]:
+        rdzv = f"file://{tempfile.mkdtemp(prefix='rdzv_')}/rdzv"
+        procs = []
+        for rank in range(world):
+            e = dict(env, CUDA_VISIBLE_DEVICES=str(rank)) if a.device.startswith("cuda") else env
+            cmd = [sys.executable, __file__, *own, "--worker", f"{rank},{world},{rdzv}"]
+            procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outs = [p.communicate()[0] for p in procs]
+        line = next((x for x in outs[0].splitlines() if x.startswith("RESULT ")), None)
+        r = json.loads(line[7:]) if line else {"ranks": world, "error": f"rc {[p.returncode for p in procs]}: {outs[0][-1500:]}"}
+        results.append(r)
+        keys = ("ranks", "context_tokens_per_s_per_gpu", "step_s", "exposed_exchange_ms", "error")
+        print(json.dumps({k: r.get(k) for k in keys} | {"peak_gib": [m.get("peak_gib") for m in r.get("memory_per_rank", [])]}), flush=True)
+    base = next((r for r in results if r.get("ranks") == 1 and "error" not in r), None)
+    for r in results:
+        if base and "error" not in r:
+            r["per_gpu_vs_one_gpu"] = r["context_tokens_per_s_per_gpu"] / base["context_tokens_per_s_per_gpu"]
+    return finish(results[0] if len(results) == 1 else {"runs": results}, a.out)
 
 
 def write_profile(path: str, run, cuda: bool) -> None:
