@@ -14,7 +14,8 @@ import pandas as pd
 import pytest
 import torch
 
-from dflashpipe.drafter import DFlashDrafter, DrafterConfig, load_drafter, save_drafter
+from dflashpipe.drafter.export import load_drafter, save_drafter
+from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
 from dflashpipe.errors import UserError
 from dflashpipe.evaluate.spec_decode import (
     ARDecoder,

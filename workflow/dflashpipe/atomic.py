@@ -18,7 +18,14 @@ from pathlib import Path
 
 
 def _umask() -> int:
-    mask = os.umask(0)
+    """The process's umask, read without setting it (``os.umask`` would briefly change it for every thread)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # no /proc (not Linux): the classic way
     os.umask(mask)
     return mask
 
@@ -45,6 +52,9 @@ def atomic_path(path: str | os.PathLike, is_dir: bool = False):
         tmp.mkdir()  # mode 0777 & ~umask
     try:
         yield tmp
+        if not is_dir:  # on disk before it is renamed into place: a power loss leaves the old file or the new one
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
         if is_dir and path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)

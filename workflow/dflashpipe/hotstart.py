@@ -27,9 +27,12 @@ from pathlib import Path
 
 from dflashpipe.errors import UserError
 
-# Library modules whose source decides the compiled training step (with everything they import):
-# also the code part of a training run's identity (drafter/checkpoint.py).
-TRAIN_STEP_MODULES = ["drafter.train"]
+# The source that decides the compiled training step and the trained weights: these modules with
+# everything they import, plus the training loop itself (drafter/train.py, not its imports:
+# checkpointing, export and held-out figures change no weight). Also the code part of a
+# training run's identity (drafter/checkpoint.py).
+TRAIN_STEP_MODULES = ["drafter.step", "drafter.data", "drafter.distributed"]
+TRAIN_LOOP_FILE = "drafter/train.py"
 
 
 def slot_cache_dirs(cache_root: str | os.PathLike, slot: int) -> dict[str, str]:
@@ -101,9 +104,10 @@ def runtime_info(device: str) -> dict:
 
 
 def code_digest(files: list[str]) -> str:
+    root = Path(__file__).resolve().parent
     h = hashlib.sha256()
     for f in sorted(files):
-        h.update(Path(f).name.encode())
+        h.update(str(Path(f).resolve().relative_to(root)).encode())
         h.update(Path(f).read_bytes())
     return h.hexdigest()[:16]
 
@@ -111,7 +115,8 @@ def code_digest(files: list[str]) -> str:
 def train_step_code_files() -> list[str]:
     from dflashpipe.codedeps import module_closure
 
-    return module_closure(Path(__file__).parent, TRAIN_STEP_MODULES)
+    package = Path(__file__).resolve().parent
+    return sorted({*module_closure(package, TRAIN_STEP_MODULES), str(package / TRAIN_LOOP_FILE)})
 
 
 def fingerprint_parts(compile_config: dict, device: str) -> dict:

@@ -402,6 +402,18 @@ class DeviceLease:
     def release(self) -> None:
         self.lease.release()
 
+    def child_env(self) -> dict[str, str]:
+        """Environment for a child process that takes this lease over.
+
+        The child must inherit the lease's fd (``pass_fds``/exec); its own
+        :func:`lease_device` for the same slot then adopts it instead of waiting.
+        """
+        env = {ENV_SLOT: str(self.slot), ENV_LEASE_FD: str(self.lease.fd),
+               ENV_DEVICE: "cpu" if self.device == "cpu" else "cuda"}
+        if self.visible_devices is not None:
+            env[ENV_CVD] = self.visible_devices
+        return env
+
     def __enter__(self) -> "DeviceLease":
         return self
 
@@ -458,6 +470,19 @@ def lease_device(
         raise
 
 
+def lease_for_job(config: dict, slot: int | None = None, **kwargs) -> DeviceLease:
+    """:func:`lease_device` with the workflow config's ``gpu`` section.
+
+    Jobs read these settings at run time instead of taking them as rule
+    params: where the slots' locks live, how many there are and how long to
+    wait for one decide where a job runs, not what it computes, so changing
+    them must not rerun finished jobs.
+    """
+    gpu = config["gpu"]
+    lock_dir = gpu.get("lock_dir") or os.path.join(config["results"], "locks")
+    return lease_device(lock_dir, gpu["slots"], slot=slot, timeout_s=gpu["lease_timeout_s"], **kwargs)
+
+
 # --------------------------------------------------------------------------- CLI
 
 
@@ -484,10 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"ERROR: {err}", file=sys.stderr, flush=True)
         return 1
-    fd = lease.lease.fd
-    os.set_inheritable(fd, True)  # the exec'd command (same pid) keeps the lock
-    os.environ[ENV_LEASE_FD] = str(fd)
-    os.environ[ENV_DEVICE] = "cpu" if lease.device == "cpu" else "cuda"
+    os.set_inheritable(lease.lease.fd, True)  # the exec'd command (same pid) keeps the lock
+    os.environ.update(lease.child_env())
     sys.stdout.flush()
     sys.stderr.flush()
     try:
@@ -500,17 +523,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def lease_for_job(config: dict, slot: int | None = None, **kwargs) -> DeviceLease:
-    """:func:`lease_device` with the workflow config's ``gpu`` section.
-
-    Jobs read these settings at run time instead of taking them as rule
-    params: where the slots' locks live, how many there are and how long to
-    wait for one decide where a job runs, not what it computes, so changing
-    them must not rerun finished jobs.
-    """
-    gpu = config["gpu"]
-    lock_dir = gpu.get("lock_dir") or os.path.join(config["results"], "locks")
-    return lease_device(lock_dir, gpu["slots"], slot=slot, timeout_s=gpu["lease_timeout_s"], **kwargs)
-

@@ -17,8 +17,8 @@ rule train:
         seed=config["seed"],
         cache_root=CACHE_ROOT,
         run_dir=lambda wildcards, output: os.path.dirname(output.summary),
-    # train.shards and train.threads are read at run time (operational): a new shard count
-    # reruns the warm chain (other shapes per rank) but not the drafter's recipe
+    # train.shards and train.threads are read at run time (operational): a new shard count is the
+    # same recipe, but reruns the warm chain (other shapes per rank), and so this job
     threads: SHARDS * config["train"]["threads"]
     resources:
         gpu=SHARDS,

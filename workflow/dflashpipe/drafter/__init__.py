@@ -1,40 +1,6 @@
-"""The DFlash drafter: model, masks, loss and checkpoint export."""
+"""The DFlash drafter: model (:mod:`.model`), masks, loss, training (:mod:`.train`) and export.
 
-from .export import load_drafter, save_drafter
-from .loss import decayed_ce
-from .masks import (
-    block_mask,
-    block_position_ids,
-    build_block_inputs,
-    default_gamma,
-    dense_mask,
-    dflash_mask_mod,
-    sample_anchors,
-)
-from .model import (
-    DFlashDrafter,
-    DraftCache,
-    DrafterConfig,
-    default_target_layer_ids,
-    set_flex_attention,
-    use_compiled_flex_attention,
-)
-
-__all__ = [
-    "DFlashDrafter",
-    "DraftCache",
-    "DrafterConfig",
-    "block_mask",
-    "block_position_ids",
-    "build_block_inputs",
-    "decayed_ce",
-    "default_gamma",
-    "default_target_layer_ids",
-    "dense_mask",
-    "dflash_mask_mod",
-    "load_drafter",
-    "sample_anchors",
-    "save_drafter",
-    "set_flex_attention",
-    "use_compiled_flex_attention",
-]
+Import from the submodules (e.g. ``from dflashpipe.drafter.model import DFlashDrafter``). This
+file imports nothing, so that a module's import closure (which decides what a code edit reruns
+and what a training run's identity covers) holds only what the module really uses.
+"""

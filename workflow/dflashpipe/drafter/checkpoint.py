@@ -29,6 +29,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import os
 import shutil
 import time
 from dataclasses import asdict
@@ -109,20 +110,23 @@ def save_checkpoint(ckpt_dir: Path, step: int, model_state: dict, optimizer_stat
     return path
 
 
-def load_checkpoint(ckpt_dir: Path, identity: dict, log=print) -> dict | None:
+def load_checkpoint(ckpt_dir: Path, identity: dict, log=print, step: int | None = None) -> dict | None:
     """The newest checkpoint that loads and belongs to this run; None if there is none.
 
     A checkpoint that does not load is skipped, with a line in the log, for the
-    one before it; if none loads, one line names them. Memory-mapped: K ranks
-    reading one file share its pages.
+    one before it; if none loads, one line names them. ``step``: exactly that
+    checkpoint (the one rank 0 chose; the other ranks must load the same).
+    Memory-mapped: K ranks reading one file share its pages.
     """
-    paths = _steps(ckpt_dir)
+    paths = [ckpt_dir / f"step{step:07d}.pt"] if step else _steps(ckpt_dir)
     bad = []
     for path in reversed(paths):
         try:
             state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception as err:  # noqa: BLE001 - truncated or corrupt: fall back to the previous one
             detail = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+            if step:
+                raise UserError(f"{path}: cannot load ({detail}), although rank 0 resumed from it; rerun") from None
             log(f"WARNING: {path}: cannot load ({detail}); falling back to the checkpoint before it")
             bad.append(path.name)
             continue
@@ -142,7 +146,7 @@ def load_checkpoint(ckpt_dir: Path, identity: dict, log=print) -> dict | None:
 class MetricsHistory:
     """The run's per-step metrics, kept with its checkpoints (rank 0 writes; others hold a no-op)."""
 
-    def __init__(self, ckpt_dir: Path, resume_step: int, writer: bool):
+    def __init__(self, ckpt_dir: Path, resume_step: int, writer: bool, log=print):
         self.path = Path(ckpt_dir) / "metrics.csv"
         self._file = None
         if not writer:
@@ -151,12 +155,14 @@ class MetricsHistory:
         if resume_step > 0 and self.path.is_file():
             with open(self.path, newline="") as f:
                 kept = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= resume_step]
+        if [int(r["step"]) for r in kept] != list(range(1, resume_step + 1)):
+            log(f"WARNING: {self.path} holds {len(kept)} rows for the {resume_step} steps of the checkpoint it resumes "
+                "(a lost write); the published metrics will miss those steps")
         with atomic_path(self.path) as tmp:
             with open(tmp, "w", newline="") as f:
                 w = csv.DictWriter(f, fieldnames=METRIC_FIELDS, extrasaction="ignore", lineterminator="\n")
                 w.writeheader()
                 w.writerows(kept)
-        self.resumed_rows = len(kept)
         self._file = open(self.path, "a", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=METRIC_FIELDS, extrasaction="ignore", lineterminator="\n")
 
@@ -164,6 +170,11 @@ class MetricsHistory:
         if self._file is not None:
             self._writer.writerow(row)
             self._file.flush()
+
+    def sync(self) -> None:
+        """On disk before the checkpoint of the same step: a resume never finds a gap."""
+        if self._file is not None:
+            os.fsync(self._file.fileno())
 
     def close(self) -> None:
         if self._file is not None:

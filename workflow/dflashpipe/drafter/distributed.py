@@ -80,6 +80,13 @@ def check_same_on_all_ranks(**values: int) -> None:
         raise UserError(f"train: ranks disagree on {', '.join(bad)}; every rank must read the same tokenized data and config")
 
 
+def broadcast_int(value: int) -> int:
+    """Rank 0's ``value`` on every rank (the others pass anything)."""
+    t = torch.tensor([value if dist.get_rank() == 0 else 0], dtype=torch.int64)
+    dist.broadcast(t, src=0)
+    return int(t.item())
+
+
 def gather(obj) -> list:
     """``obj`` of every rank, in rank order (a small picklable object)."""
     out = [None] * dist.get_world_size()

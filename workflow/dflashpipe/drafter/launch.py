@@ -1,12 +1,14 @@
 """Start the K ranks of one training run together; they succeed or fail as one.
 
-One Snakemake job is one training run. It asks for K GPUs (``resources: gpu=K``)
-and starts K rank processes (``python -m dflashpipe.drafter.launch RANK SPEC``):
-each leases its own GPU slot k, sees its GPU as ``cuda:0`` and starts hot from
-slot k's warm cache. The launcher watches them: when one fails, the others are
-stopped at once (no rank waits for a dead peer until a timeout), and the job
-fails with the failing rank's error line. Rank processes die with the launcher
-(``PR_SET_PDEATHSIG``), so a killed job leaves nothing running.
+One Snakemake job is one training run. It asks for K GPUs (``resources: gpu=K``),
+leases GPU slots 0..K-1 (waiting until every one is free, so no rank starts
+before its peers can), and starts K rank processes (``python -m
+dflashpipe.drafter.launch RANK SPEC``), each taking over its slot's lease,
+seeing its GPU as ``cuda:0`` and starting hot from slot k's warm cache. The
+launcher watches them: when one fails, the others are stopped at once (no rank
+waits for a dead peer until a timeout), and the job fails with the failing
+rank's error line. Rank processes die with the launcher (``PR_SET_PDEATHSIG``),
+so a killed job leaves nothing running.
 
 Why one job and not one per rank: Snakemake schedules jobs one by one, so with
 a job per rank a rerun could start a lone rank whose peers' outputs were
@@ -33,11 +35,19 @@ from pathlib import Path
 from dflashpipe.errors import UserError
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent_fn():
+    """A pre-exec function that makes the child die with this process (resolved before any fork)."""
     import ctypes
 
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    parent = os.getpid()
+
+    def die_with_parent() -> None:  # in the child, between fork and exec: no imports, no allocation
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return die_with_parent
 
 
 def _error_line(log_path: str) -> str:
@@ -50,23 +60,45 @@ def _error_line(log_path: str) -> str:
     return (errors[-1] if errors else (lines[-1] if lines else "empty log"))[:300]
 
 
-def launch(commands: list[list[str]], rank_logs: list[str], log=print, poll_s: float = 0.2, grace_s: float = 10.0) -> None:
-    """Run one process per rank; return when all exit 0, else stop the rest and raise one line."""
-    procs = []
+def _culprit(failed: list[int], codes: list, rank_logs: list[str]) -> int:
+    """The rank that most likely caused the failure: one with an ERROR line, else one killed by a
+    signal, else the first. (A peer of a dead rank fails too, with a mere connection error.)"""
+    for r in failed:
+        if _error_line(rank_logs[r]).startswith("ERROR:"):
+            return r
+    return next((r for r in failed if codes[r] < 0), failed[0])
+
+
+def launch(commands: list[list[str]], rank_logs: list[str], log=print, envs: list[dict] | None = None,
+           pass_fds: list[tuple] | None = None, poll_s: float = 0.2, grace_s: float = 10.0) -> None:
+    """Run one process per rank; return when all exit 0, else stop the rest and raise one line.
+
+    Rank r's output goes to ``rank_logs[r]`` from its first line (import errors included);
+    ``envs[r]`` is added to its environment and ``pass_fds[r]`` stay open in it.
+    """
+    procs, logs = [], []
     # the package's parent directory on the children's path, installed or not
     package_root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    die_with_parent = _die_with_parent_fn()
     old_term = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # run the cleanup below
     try:
-        for cmd in commands:
-            procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
+        for r, cmd in enumerate(commands):
+            Path(rank_logs[r]).parent.mkdir(parents=True, exist_ok=True)
+            logs.append(open(rank_logs[r], "a"))
+            procs.append(subprocess.Popen(cmd, env={**env, **(envs[r] if envs else {})}, stdout=logs[-1],
+                                          stderr=subprocess.STDOUT, pass_fds=pass_fds[r] if pass_fds else (),
+                                          preexec_fn=die_with_parent))
         log(f"started {len(procs)} rank(s): pids {[p.pid for p in procs]}")
         while True:
             codes = [p.poll() for p in procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                r = failed[0]
+                time.sleep(poll_s)  # let peers of a dead rank fail too, then name the cause
+                codes = [p.poll() for p in procs]
+                failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+                r = _culprit(failed, codes, rank_logs)
                 raise UserError(
                     f"train rank {r} of {len(procs)} failed (exit code {codes[r]}), the other ranks were stopped: "
                     f"{_error_line(rank_logs[r])}  [log: {rank_logs[r]}]"
@@ -76,6 +108,8 @@ def launch(commands: list[list[str]], rank_logs: list[str], log=print, poll_s: f
             time.sleep(poll_s)
     finally:
         _stop(procs, grace_s)
+        for f in logs:
+            f.close()
         signal.signal(signal.SIGTERM, old_term)
 
 
@@ -100,21 +134,35 @@ def run_training(*, world_size: int, threads_per_rank: int, cfg: dict, tokenized
     ``cfg`` is a :class:`~dflashpipe.drafter.train.TrainConfig` as a dict;
     ``gpu_config`` the config's ``gpu`` section plus ``results`` (for the leases).
     """
+    from dflashpipe.lease import lease_for_job
+
     from .checkpoint import checkpoint_dir, mark_complete, run_identity
     from .distributed import rendezvous_url
     from .train import TrainConfig
 
-    ckpt = checkpoint_dir(run_dir, run_identity(TrainConfig(**cfg), tokenized, target))
+    identity = run_identity(TrainConfig(**cfg), tokenized, target)  # once: every rank keys the same run
+    ckpt = checkpoint_dir(run_dir, identity)
     spec = {
         "world_size": world_size, "threads": threads_per_rank, "cfg": cfg, "tokenized": tokenized, "target": target,
-        "ckpt_dir": str(ckpt), "cache_root": cache_root, "stamps": stamps, "gpu_config": gpu_config,
+        "identity": identity, "ckpt_dir": str(ckpt), "cache_root": cache_root, "stamps": stamps, "gpu_config": gpu_config,
         "rank_logs": rank_logs, "metrics_csv": metrics_csv, "summary_json": summary_json, "export_dir": export_dir,
         # a fresh rendezvous file per launch: a killed launch's file is never reused
         "init_method": rendezvous_url(os.path.join(run_dir, "rendezvous"), uuid.uuid4().hex[:12]),
     }
     log(f"run {ckpt.name}: {world_size} rank(s) x {threads_per_rank} thread(s); checkpoints in {ckpt}")
     arg = json.dumps(spec)
-    launch([[sys.executable, "-m", "dflashpipe.drafter.launch", str(r), arg] for r in range(world_size)], rank_logs, log)
+    # every slot is leased before any rank starts (another GPU job may hold one for a while); each
+    # rank takes its slot's lease over, so the slots stay held however the ranks end
+    leases = []
+    try:
+        for r in range(world_size):
+            leases.append(lease_for_job(gpu_config, slot=r, set_env=False))
+        log(f"leased slots 0..{world_size - 1}: {[lease.visible_devices or lease.device for lease in leases]}")
+        launch([[sys.executable, "-m", "dflashpipe.drafter.launch", str(r), arg] for r in range(world_size)], rank_logs,
+               log, envs=[lease.child_env() for lease in leases], pass_fds=[(lease.lease.fd,) for lease in leases])
+    finally:
+        for lease in leases:
+            lease.release()
     summary = json.loads(Path(summary_json).read_text())
     mark_complete(ckpt, {"steps": summary["steps"], "world_size": world_size})
     return summary
@@ -130,13 +178,14 @@ def rank_main(rank: int, spec: dict) -> None:
 
     K = spec["world_size"]
     with job(spec["rank_logs"][rank], threads=spec["threads"], name=f"train rank {rank}/{K}") as log:
-        lease = lease_for_job(spec["gpu_config"], slot=rank)
-        log(f"leased slot {rank}: device {lease.device} (CUDA_VISIBLE_DEVICES={lease.visible_devices})")
+        lease = lease_for_job(spec["gpu_config"], slot=rank)  # adopts the launcher's lease of slot ``rank``
+        log(f"slot {rank}: device {lease.device} (CUDA_VISIBLE_DEVICES={lease.visible_devices})")
         use_slot_cache(spec["cache_root"], rank)
         train_rank(
             TrainConfig(**spec["cfg"]), spec["tokenized"], spec["target"], spec["ckpt_dir"], rank, K,
             spec["init_method"], lease.device, spec["metrics_csv"], spec["summary_json"],
             export_dir=spec["export_dir"], log=log, hot_start=hot_start(spec["stamps"][rank], lease.device),
+            identity=spec["identity"],
         )
 
 

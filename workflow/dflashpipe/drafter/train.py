@@ -32,7 +32,15 @@ from dflashpipe.faults import failpoint
 
 from .checkpoint import MetricsHistory, load_checkpoint, run_identity, save_checkpoint, start_run
 from .data import TRAIN_SALT, epoch_batches, heldout_split, make_batch, rank_slice, sample_seed
-from .distributed import check_same_on_all_ranks, data_parallel, full_optimizer_state, gather, init_dist, sharded_adamw
+from .distributed import (
+    broadcast_int,
+    check_same_on_all_ranks,
+    data_parallel,
+    full_optimizer_state,
+    gather,
+    init_dist,
+    sharded_adamw,
+)
 from .export import save_drafter
 from .features import trim_unused_layers
 from .heldout import heldout_loss
@@ -155,7 +163,7 @@ def peak_mem_mb(device: torch.device) -> float:
 
 def train_rank(cfg: TrainConfig, tokenized_dir: str, target_dir: str, ckpt_dir: str, rank: int, world_size: int,
                init_method: str, device: str, metrics_csv: str, summary_json: str, export_dir: str | None = None,
-               log=print, hot_start=None) -> dict:
+               log=print, hot_start=None, identity: dict | None = None) -> dict:
     """Run rank ``rank`` of a ``world_size``-rank training run; returns the run's summary.
 
     Rank 0 publishes the outputs (``metrics_csv``, ``summary_json``,
@@ -164,20 +172,22 @@ def train_rank(cfg: TrainConfig, tokenized_dir: str, target_dir: str, ckpt_dir: 
     validates the slot's warm stamp against this rank's compile signature before
     anything compiles, and the checker's ``after_first_step(log)`` proves, after
     every bucket has been primed, that nothing was compiled from scratch and
-    forbids compiles from then on.
+    forbids compiles from then on. ``identity``: the run identity the launcher keyed
+    ``ckpt_dir`` with (computed here if not given).
     """
     dev = resolve_device(device)
     t_start = time.time()
     init_dist(init_method, rank, world_size, dev, cfg.dist_timeout_s)
     try:
-        return _train(cfg, tokenized_dir, target_dir, Path(ckpt_dir), rank, world_size, dev, metrics_csv,
+        identity = identity or run_identity(cfg, tokenized_dir, target_dir)
+        return _train(cfg, tokenized_dir, target_dir, Path(ckpt_dir), identity, rank, world_size, dev, metrics_csv,
                       summary_json, export_dir, log, t_start, hot_start)
     finally:
         dist.destroy_process_group()
 
 
-def _train(cfg, tokenized_dir, target_dir, ckpt_dir, rank, K, dev, metrics_csv, summary_json, export_dir, log, t_start,
-           hot_start):
+def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, metrics_csv, summary_json, export_dir, log,
+           t_start, hot_start):
     from tqdm import tqdm
 
     from dflashpipe.tokenize import load_tokenized
@@ -202,12 +212,14 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, rank, K, dev, metrics_csv, 
         raise UserError(f"train: epochs={cfg.epochs} and max_steps={cfg.max_steps} leave no step to run")
     check_same_on_all_ranks(samples=len(ds), steps_per_epoch=steps_per_epoch, total_steps=total_steps)
 
-    # -- resume: the newest intact checkpoint of this run, at any K ---------------------
-    identity = run_identity(cfg, tokenized_dir, target_dir)
+    # -- resume: the newest intact checkpoint of this run (rank 0 chooses), at any K ----
+    state = None
     if rank == 0:
         start_run(ckpt_dir, identity, log)
-    dist.barrier()
-    state = load_checkpoint(ckpt_dir, identity, log)
+        state = load_checkpoint(ckpt_dir, identity, log)
+    chosen = broadcast_int(state["step"] if state is not None else 0)
+    if rank != 0 and chosen:
+        state = load_checkpoint(ckpt_dir, identity, log, step=chosen)
     start_step, last = 0, {"loss": None, "acc": None, "heldout_loss": None, "heldout_acc": None}
     if state is not None:
         drafter.load_state_dict(state["model"])
@@ -234,7 +246,7 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, rank, K, dev, metrics_csv, 
         hot = {"prime_seconds": time.time() - t_prime, "counters": checker.after_first_step(log)}
 
     # -- the loop ------------------------------------------------------------------
-    history = MetricsHistory(ckpt_dir, start_step, writer=rank == 0)
+    history = MetricsHistory(ckpt_dir, start_step, writer=rank == 0, log=log)
     bar = tqdm(total=total_steps, initial=start_step, desc=f"train rank {rank}/{K}", mininterval=5)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -276,6 +288,7 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, rank, K, dev, metrics_csv, 
             history.write(row)
             if step % cfg.checkpoint_every == 0 or step == total_steps:
                 optimizer_state = full_optimizer_state(opt)  # a collective: every rank takes part
+                history.sync()
                 if rank == 0:
                     path = save_checkpoint(ckpt_dir, step, drafter.state_dict(), optimizer_state, identity, last)
                     log(f"checkpoint step {step}: {path.name}")

@@ -243,13 +243,17 @@ def _evaluate(
     df = read_prompts(prompts_parquet)
     # every method must decode max_new_tokens (plus one verify block) within the target's context
     context, reserve = target_context(target), max_new_tokens + dcfg.block_size
-    encoded, skipped = [], Counter()
-    for turns in df["prompt"]:
+    keep, encoded, skipped = [], [], Counter()
+    for i, turns in enumerate(df["prompt"]):
+        if num_prompts is not None and len(keep) >= int(num_prompts):
+            break
         ids_ = encode_prompt(tok, turns, chat_template_kwargs)
         reason = screen_prompt(turns, len(ids_), context, reserve)
-        skipped[reason] += reason is not None
-        encoded.append(None if reason else ids_)
-    keep = [i for i, e in enumerate(encoded) if e is not None][: None if num_prompts is None else int(num_prompts)]
+        if reason:
+            skipped[reason] += 1
+        else:
+            keep.append(i)
+            encoded.append(ids_)
     if skipped:
         log(f"skipped prompts: {dict(skipped)} (context {context}, {reserve} tokens reserved after the prompt)")
     if not keep:
@@ -258,7 +262,6 @@ def _evaluate(
             f"non-empty and fit the target's context ({context}) with evaluate.max_new_tokens + block size ({reserve})"
         )
     ids = [str(df["id"].iloc[i]) for i in keep]
-    encoded = [encoded[i] for i in keep]
     log(
         f"evaluate: {len(ids)} prompts, max_new_tokens {max_new_tokens}, temperature {temperature}, block size "
         f"{dcfg.block_size}, methods {methods}, device {dev}, dtype {str(dtype).removeprefix('torch.')}"
@@ -309,7 +312,7 @@ def _evaluate(
         "drafter": {"path": str(drafter_dir), **{k: v for k, v in dcfg.to_dict().items() if k in ("block_size", "num_hidden_layers", "target_layer_ids", "mask_token_id")}},
         "prompts": str(prompts_parquet),
         "n_prompts": len(ids),
-        "skipped_prompts": {k: int(v) for k, v in skipped.items() if v},
+        "skipped_prompts": dict(skipped),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "seed": seed,
