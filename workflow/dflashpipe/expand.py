@@ -51,8 +51,9 @@ def shard_rows(df: pd.DataFrame, shard: int, n_shards: int) -> pd.DataFrame:
     return df.iloc[shard::n_shards].reset_index(drop=True)
 
 
-def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chunk_seed: int, device: str) -> tuple[list[dict], int]:
-    """Generate responses for one chunk of prompts, batched with a KV cache."""
+def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chunk_seed: int, device: str,
+                    progress=lambda prompts, tokens: None) -> tuple[list[dict], int]:
+    """Generate responses for one chunk of prompts, batched with a KV cache; ``progress(prompts, tokens)`` per batch."""
     texts = [
         tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True, **s.chat_template_kwargs)
         for p in rows["prompt"]
@@ -67,6 +68,7 @@ def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chu
          "num_new_tokens": 0, "finish_reason": reason}
         for i, reason in enumerate(skip) if reason for j in range(s.num_samples)
     ]
+    progress(sum(r is not None for r in skip), 0)
     order = sorted((i for i in range(len(texts)) if not skip[i]), key=lambda i: lengths[i])  # less padding per batch
     eos_ids = tokenizer.eos_token_id
     new_tokens = 0
@@ -82,6 +84,7 @@ def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chu
         with torch.no_grad():
             gen = model.generate(**enc, **kwargs)
         gen = gen[:, enc["input_ids"].shape[1] :].cpu()
+        tokens_before = new_tokens
         for j, ids in enumerate(gen):
             i = idx[j // s.num_samples]
             ids = ids.tolist()
@@ -102,6 +105,7 @@ def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chu
                     "finish_reason": "stop" if stop is not None else "length",
                 }
             )
+        progress(len(idx), new_tokens - tokens_before)
     return out, new_tokens
 
 
@@ -157,17 +161,26 @@ def expand_prompts(
     if done:
         log(f"resuming: {done} of {n_chunks} chunks already written")
     t0, gen_tokens = time.time(), 0
-    for c in tqdm(range(n_chunks), desc=f"expand shard {shard}", mininterval=5):
+    todo = [c for c in range(n_chunks) if not (work / f"chunk_{c:05d}.parquet").exists()]
+    bar = tqdm(total=sum(len(prompts.iloc[c * settings.chunk_size : (c + 1) * settings.chunk_size]) for c in todo),
+               desc=f"expand shard {shard} (prompts)", mininterval=5)
+
+    def progress(n_prompts: int, n_tokens: int) -> None:  # per generate batch: prompts done, tokens/s
+        nonlocal gen_tokens
+        gen_tokens += n_tokens
+        bar.update(n_prompts)
+        bar.set_postfix(tok_s=f"{gen_tokens / max(1e-9, time.time() - t0):.0f}", refresh=False)
+
+    for c in todo:
         chunk_file = work / f"chunk_{c:05d}.parquet"
-        if chunk_file.exists():
-            continue
         rows = prompts.iloc[c * settings.chunk_size : (c + 1) * settings.chunk_size]
         tc = time.time()
-        records, n_new = _generate_chunk(model, tokenizer, rows, settings, settings.seed * 1_000_003 + shard * 10_007 + c, device)
-        gen_tokens += n_new
+        records, n_new = _generate_chunk(model, tokenizer, rows, settings, settings.seed * 1_000_003 + shard * 10_007 + c,
+                                         device, progress)
         with atomic_path(chunk_file) as tmp:
             pd.DataFrame(records).to_parquet(tmp, index=False)
         log(f"chunk {c + 1}/{n_chunks}: {len(records)} responses, {n_new} tokens, {n_new / (time.time() - tc):.0f} tok/s")
+    bar.close()
 
     df = pd.concat([pd.read_parquet(work / f"chunk_{c:05d}.parquet") for c in range(n_chunks)], ignore_index=True)
     for key in ("temperature", "top_p", "max_new_tokens", "seed"):

@@ -80,3 +80,76 @@ def describe_target(path: str) -> dict:
         "num_hidden_layers": cfg.get("num_hidden_layers"),
         "hidden_size": cfg.get("hidden_size"),
     }
+
+
+def _token_content(value) -> str | None:
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _tokenizer_facts(path: Path) -> dict:
+    """Mask token, token count, special tokens and chat template of a target, from its files.
+
+    Reads tokenizer.json / tokenizer_config.json / chat_template.jinja directly, so
+    that start-up checks need neither transformers nor torch; a target without
+    tokenizer.json (e.g. a sentencepiece model only) is read through transformers.
+    """
+    cfg = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").is_file() else {}
+    template = cfg.get("chat_template") or ""
+    if (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    named = {k: _token_content(cfg.get(k)) for k in ("mask_token", "eos_token", "bos_token", "pad_token", "unk_token")}
+    if (path / "tokenizer.json").is_file():
+        tj = json.loads((path / "tokenizer.json").read_text())
+        added = {int(t["id"]): (t["content"], bool(t.get("special"))) for t in tj.get("added_tokens", [])}
+        vocab = tj.get("model", {}).get("vocab") or {}
+        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+        n_tokens = max([*ids, *added, -1]) + 1
+    else:  # pragma: no cover - slow path, only for tokenizers without tokenizer.json
+        tok = load_tokenizer(str(path))
+        added = {i: (t.content, t.special) for i, t in tok.added_tokens_decoder.items()}
+        n_tokens, template = len(tok), tok.chat_template or ""
+        named = {k: getattr(tok, k) for k in named}
+    by_content = {c: i for i, (c, _) in added.items()}
+    return {"added": added, "by_content": by_content, "n_tokens": n_tokens, "template": template, "named": named}
+
+
+#: How the drafter's MASK token is chosen when ``drafter.mask_token_id`` is null (also in config/README.md).
+MASK_TOKEN_RULE = (
+    "the tokenizer's mask token; else the first embedding row past the tokenizer's tokens (Qwen3: 151669); "
+    "else the lowest-id special token named *reserved*; else an error listing the special tokens the chat "
+    "template does not use"
+)
+
+
+def resolve_mask_token(path: str, configured: int | None = None, field: str = "drafter.mask_token_id") -> tuple[int, str]:
+    """The drafter's MASK token id for a target, and how it was chosen (:data:`MASK_TOKEN_RULE`).
+
+    A configured id must be a row of the target's embedding. One line, naming
+    ``field`` and the candidates, when no rule applies.
+    """
+    p = check_target_dir(path)
+    rows = json.loads((p / "config.json").read_text())
+    rows = rows.get("text_config", rows).get("vocab_size")
+    if configured is not None:
+        if rows is not None and not 0 <= configured < rows:
+            raise UserError(f"{field}: {configured} is not a row of the target embedding ({rows} rows in {p}/config.json)")
+        return int(configured), "set in the config"
+    facts = _tokenizer_facts(p)
+    mask = facts["named"]["mask_token"]
+    if mask is not None and mask in facts["by_content"]:
+        return facts["by_content"][mask], f"the tokenizer's mask token {mask!r}"
+    if rows is not None and rows > facts["n_tokens"]:
+        return facts["n_tokens"], (f"the first spare embedding row (the tokenizer has {facts['n_tokens']} tokens, "
+                                   f"the embedding {rows} rows)")
+    used = set(facts["named"].values())
+    free = [(i, c) for i, (c, special) in sorted(facts["added"].items())
+            if special and c not in used and c not in facts["template"]]
+    reserved = [(i, c) for i, c in free if "reserved" in c.lower()]
+    if reserved:
+        return reserved[0][0], f"the reserved special token {reserved[0][1]!r}"
+    listed = ", ".join(f"{i} {c!r}" for i, c in free[:8]) or "none"
+    raise UserError(
+        f"{field}: the target in {p} has no mask token, no spare embedding row ({rows} rows, {facts['n_tokens']} "
+        f"tokens) and no reserved special token; set {field} to a token id it never needs to predict, e.g. a special "
+        f"token its chat template does not use: {listed}"
+    )

@@ -7,6 +7,13 @@ found without template-specific markers: the tokens of the prompt rendered with
 follows the longest common prefix is the reply. This works for any chat
 template, including ones that insert extra tokens (Qwen3's empty think block).
 
+A reply the target did not finish (``finish_reason`` ``length``: cut at
+``expand.max_new_tokens``) must not teach the drafter a stop the target never
+made, yet the chat template closes every assistant turn. ``cut_replies``:
+``mask_end`` (default) keeps the row and takes the closing tokens out of the
+loss (they are what follows the reply rendered with
+``continue_final_message``); ``drop`` drops the row. Both are counted.
+
 Samples are truncated to ``max_length``; those left with fewer than
 ``2 * block_size`` loss tokens cannot give a drafter a full block to learn
 from and are dropped (and counted, by reason). Each kept sample records the
@@ -31,20 +38,37 @@ def _ids(tokenizer, messages, add_generation_prompt, kwargs) -> list[int]:
     return list(out["input_ids"])
 
 
-def encode_chat(tokenizer, messages: list[dict], max_length: int, chat_template_kwargs: dict | None = None):
-    """Return (input_ids, loss_mask, untruncated_length) for a chat ending in the assistant reply."""
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def encode_chat(tokenizer, messages: list[dict], max_length: int, chat_template_kwargs: dict | None = None,
+                cut: bool = False):
+    """Return (input_ids, loss_mask, untruncated_length) for a chat ending in the assistant reply.
+
+    ``cut``: the reply was cut at the length limit; the tokens the template adds
+    after it (end of turn) get no loss. Raises ValueError if the template renders
+    the open reply differently from the closed one (then it cannot be masked).
+    """
     kwargs = chat_template_kwargs or {}
     if not messages or messages[-1]["role"] != "assistant":
         raise ValueError("the last turn must be the assistant reply")
     prompt = _ids(tokenizer, messages[:-1], True, kwargs)
     full = _ids(tokenizer, messages, False, kwargs)
-    common = 0
-    for a, b in zip(prompt, full):
-        if a != b:
-            break
-        common += 1
+    start, end = _common_prefix(prompt, full), len(full)
+    if cut:
+        open_reply = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                        continue_final_message=True, **kwargs)["input_ids"])
+        end = _common_prefix(open_reply, full)
+        if end < len(open_reply) or end <= start:
+            raise ValueError("the chat template renders a cut reply differently from a finished one")
     ids = full[:max_length]
-    mask = [0] * min(common, len(ids)) + [1] * max(0, len(ids) - common)
+    mask = [int(start <= i < end) for i in range(len(ids))]
     return ids, mask, len(full)
 
 
@@ -61,6 +85,7 @@ def tokenize_expanded(
     out_dir: str,
     stats_path: str,
     chat_template_kwargs: dict | None = None,
+    cut_replies: str = "mask_end",
     log=print,
 ) -> dict:
     """Tokenize every expanded dataset into ONE ``datasets`` dataset on disk, plus a stats JSON."""
@@ -73,7 +98,9 @@ def tokenize_expanded(
     max_length = buckets[-1]
     tokenizer = load_tokenizer(target_path)
     min_loss_tokens = 2 * block_size
-    records, dropped, truncated = [], Counter(), 0
+    if cut_replies not in ("mask_end", "drop"):
+        raise UserError(f"tokenize.cut_replies: {cut_replies!r} is not one of mask_end, drop")
+    records, dropped, truncated, cut_masked = [], Counter(), 0, 0
     per_dataset = {}
     for name, path in expanded_paths.items():
         df = read_parquet(path)
@@ -87,7 +114,16 @@ def tokenize_expanded(
             if not messages[-1]["content"].strip():
                 dropped["empty_response"] += 1
                 continue
-            ids, mask, full_len = encode_chat(tokenizer, messages, max_length, chat_template_kwargs)
+            cut = reason == "length"
+            if cut and cut_replies == "drop":
+                dropped["cut_reply"] += 1
+                continue
+            try:
+                ids, mask, full_len = encode_chat(tokenizer, messages, max_length, chat_template_kwargs, cut=cut)
+            except ValueError:
+                dropped["cut_reply_not_maskable"] += 1
+                continue
+            cut_masked += cut
             truncated += full_len > max_length
             n_loss = sum(mask)
             if n_loss == 0 and len(ids) == max_length:
@@ -138,6 +174,9 @@ def tokenize_expanded(
         "dropped": dict(dropped),
         "dropped_total": int(sum(dropped.values())),
         "truncated": int(truncated),
+        "cut_replies": {"rule": cut_replies, "kept_with_end_of_turn_out_of_the_loss": int(cut_masked),
+                        "dropped": int(dropped["cut_reply"] + dropped["cut_reply_not_maskable"])},
+        "chat_template_kwargs": dict(chat_template_kwargs or {}),
         "min_loss_tokens": min_loss_tokens,
         "max_length": max_length,
         "buckets": {str(b): sum(r["bucket"] == b for r in records) for b in buckets},

@@ -17,7 +17,7 @@ if "assisted" in config["evaluate"]["methods"]:
         resources:
             gpu=1,
         log:
-            f"{R}/logs/evaluate/ar_draft.log",
+            f"{R}/logs/ar_draft/ar_draft.log",
         script:
             "../scripts/ar_draft.py"
 

@@ -13,6 +13,7 @@ rule tokenize:
         names=datasets_for("train"),
         block_size=config["drafter"]["block_size"],
         buckets=config["tokenize"]["buckets"],
+        cut_replies=config["tokenize"]["cut_replies"],
         chat_template_kwargs=config["expand"]["chat_template_kwargs"],
     threads: config["threads"]
     log:

@@ -108,19 +108,12 @@ def resolve_device(device: str) -> torch.device:
 
 def build(cfg: TrainConfig, target_dir: str, dev: torch.device, world_size: int):
     """Target (frozen, trimmed to the tapped layers), drafter (fp32 master weights), step setup, pad id."""
-    from dflashpipe.target import load_target
+    from dflashpipe.target import load_target, resolve_mask_token
 
     early = resolve_setup(cfg, str(dev), 0, [0], world_size)  # validates attention/dtype/batch before the slow load
+    mask_id, _ = resolve_mask_token(target_dir, cfg.mask_token_id)  # the rule the start-up check applied
     target, tokenizer = load_target(target_dir, str(dev), early.target_dtype)
-    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else tokenizer.mask_token_id
-    if mask_id is None:
-        raise UserError(
-            "drafter.mask_token_id: the target tokenizer has no mask token; set it to a token id that exists in the "
-            "target embedding (Qwen3: 151669)"
-        )
-    dcfg = DrafterConfig.from_target_config(
-        target.config, cfg.num_layers, cfg.block_size, int(mask_id), cfg.target_layer_ids
-    )
+    dcfg = DrafterConfig.from_target_config(target.config, cfg.num_layers, cfg.block_size, mask_id, cfg.target_layer_ids)
     setup = resolve_setup(cfg, str(dev), dcfg.mask_token_id, dcfg.target_layer_ids, world_size)
     trim_unused_layers(target, dcfg.target_layer_ids)
     if dev.type == "cuda":

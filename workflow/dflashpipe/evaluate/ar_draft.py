@@ -15,7 +15,8 @@ from dflashpipe.tiny_target import TinyTargetConfig, build_model, train_lm
 
 @dataclass
 class ARDraftConfig(TinyTargetConfig):
-    """A 1-2 layer Qwen3 causal LM with the target's tokenizer and vocabulary (vocab_size is the target's)."""
+    """A 1-2 layer Qwen3 causal LM with the target's tokenizer and vocabulary (``vocab_size`` is ignored:
+    the target's is used, and recorded in the metrics)."""
 
     num_layers: int = 1
     warmup_steps: int = 20
@@ -72,7 +73,7 @@ def train_ar_draft(chats_or_token_lists, target_dir: str, out_dir: str, cfg: ARD
     model.generation_config.eos_token_id = eos
     model.generation_config.pad_token_id = tok.pad_token_id
     metrics = {
-        "config": asdict(cfg),
+        "config": asdict(replace(cfg, vocab_size=int(tcfg.vocab_size), seq_len=seq_len)),  # what was built
         "parameters": sum(p.numel() for p in model.parameters()),
         "train_tokens": n_tokens,
         **run,

@@ -168,6 +168,15 @@ def prompt_lookup_generate(
     return hf_decode(target_model, tokenizer, prompt_ids, max_new_tokens, temperature, seed, eos_ids, **extra)
 
 
+class _DropInternalDeprecation:
+    """transformers' assisted generation calls the assistant's ``generate`` with its own
+    ``generation_config`` AND generation arguments, then warns about it (transformers 5.x, in
+    ``candidate_generator``): not this code's call, so not this log's business."""
+
+    def filter(self, record) -> bool:
+        return not record.getMessage().startswith("Passing `generation_config` together with generation-related")
+
+
 def assisted_generate(
     target_model, tokenizer, assistant_model, prompt_ids, max_new_tokens, temperature=0.0, seed=0, eos_ids=None,
     num_assistant_tokens: int | None = None, assistant_confidence_threshold: float | None = None,
@@ -177,6 +186,11 @@ def assisted_generate(
     av = assistant_model.config.get_text_config().vocab_size
     if tv != av:
         raise UserError(f"assisted generation: the draft model's vocab_size {av} differs from the target's {tv}; train it with train_ar_draft")
+    import logging
+
+    log = logging.getLogger("transformers.generation.utils")
+    if not any(isinstance(f, _DropInternalDeprecation) for f in log.filters):
+        log.addFilter(_DropInternalDeprecation())
     gc = assistant_model.generation_config
     if num_assistant_tokens is not None:
         gc.num_assistant_tokens = int(num_assistant_tokens)

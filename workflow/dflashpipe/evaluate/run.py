@@ -313,6 +313,9 @@ def _evaluate(
         "prompts": str(prompts_parquet),
         "n_prompts": len(ids),
         "skipped_prompts": dict(skipped),
+        # one setting (expand.chat_template_kwargs) for expansion, tokenization and evaluation: a drafter
+        # trained with thinking off is evaluated with thinking off
+        "chat_template_kwargs": dict(chat_template_kwargs or {}),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature,
         "seed": seed,

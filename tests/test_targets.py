@@ -1,0 +1,158 @@
+"""A user's own target and data: other model families, tokenizers without a mask token, templates
+that add a default system turn, replies cut at the length limit, and a config naming only its own
+datasets. The targets are tiny, randomly initialised, with tokenizers built here from the micro
+target's vocabulary; the last test runs the pipeline on one of them through Snakemake."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from conftest import PROMPTS, planned_rules, snakemake
+from dflashpipe.errors import UserError
+from dflashpipe.target import resolve_mask_token
+from dflashpipe.tokenize import encode_chat, tokenize_expanded
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# SmolLM2-style: a default system turn when the conversation has none
+WITH_DEFAULT_SYSTEM = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful AI assistant."
+                       "<|im_end|>\n{% endif %}" + CHATML)
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=16, max_position_embeddings=1024)
+
+
+def make_target(out: Path, micro_target: Path, family: str, *, template: str = CHATML, mask: str | None = None,
+                extra_special: tuple[str, ...] = (), spare_rows: int = 0, tied: bool = True) -> Path:
+    """A tiny random ``family`` (llama | qwen2 | qwen3) causal LM with a tokenizer built from the micro target's."""
+    import transformers
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    base = Tokenizer.from_file(str(micro_target / "tokenizer.json"))
+    base.add_special_tokens(list(extra_special))
+    tok = PreTrainedTokenizerFast(tokenizer_object=base, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  mask_token=mask, chat_template=template)
+    config_cls, model_cls = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                             "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[family]
+    cfg = getattr(transformers, config_cls)(vocab_size=len(tok) + spare_rows, tie_word_embeddings=tied,
+                                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **SMALL)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(cfg)
+    with torch.no_grad():  # sharper logits than the default init: varied greedy replies
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(8.0)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_the_mask_token_is_decided_from_the_targets_files(micro_target, tmp_path):
+    """The documented rule: the tokenizer's mask token, else the first spare embedding row, else a
+    reserved special token, else one line listing the special tokens the template does not use."""
+    with_mask = make_target(tmp_path / "m", micro_target, "qwen3", mask="<|mask|>")
+    spare = make_target(tmp_path / "s", micro_target, "qwen3", spare_rows=64)
+    reserved = make_target(tmp_path / "r", micro_target, "qwen2", tied=False,
+                           extra_special=("<|reserved_special_token_0|>", "<|reserved_special_token_1|>"))
+    none = make_target(tmp_path / "n", micro_target, "llama", template=WITH_DEFAULT_SYSTEM)
+    n_tok = json.loads((spare / "config.json").read_text())["vocab_size"] - 64
+
+    assert resolve_mask_token(str(with_mask))[1] == "the tokenizer's mask token '<|mask|>'"
+    assert resolve_mask_token(str(spare)) == (n_tok, f"the first spare embedding row (the tokenizer has {n_tok} tokens, "
+                                                     f"the embedding {n_tok + 64} rows)")
+    rid, how = resolve_mask_token(str(reserved))
+    assert how == "the reserved special token '<|reserved_special_token_0|>'" and rid == n_tok
+    with pytest.raises(UserError) as e:
+        resolve_mask_token(str(none))
+    msg = str(e.value)
+    assert msg.startswith("drafter.mask_token_id: the target in") and "\n" not in msg
+    assert "'<|mask|>'" in msg and "'<|im_start|>'" not in msg  # the template's own tokens are not candidates
+    assert resolve_mask_token(str(none), 3) == (3, "set in the config")
+    with pytest.raises(UserError, match=r"drafter.mask_token_id: 99999 is not a row of the target embedding"):
+        resolve_mask_token(str(none), 99999)
+
+
+def test_loss_mask_with_a_default_system_turn_and_cut_replies(micro_target, tmp_path):
+    """Only the reply is in the loss (not the default system turn the template adds); a reply cut
+    at the length limit keeps its tokens but not the end of turn the target never produced."""
+    from transformers import AutoTokenizer
+
+    path = make_target(tmp_path / "t", micro_target, "llama", template=WITH_DEFAULT_SYSTEM)
+    tok = AutoTokenizer.from_pretrained(path)
+    chat = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "It is 5 because"}]
+    ids, mask, _ = encode_chat(tok, chat, 512)
+    assert "You are a helpful AI assistant." in tok.decode(ids) and tok.decode([i for i, m in zip(ids, mask) if m]) == \
+        "It is 5 because<|im_end|>\n"
+    ids_cut, mask_cut, _ = encode_chat(tok, chat, 512, cut=True)
+    assert ids_cut == ids and tok.decode([i for i, m in zip(ids, mask_cut) if m]) == "It is 5 because"
+
+    rows = [{"id": str(i), "sample": 0, "messages": chat[:1] + [{"role": "assistant", "content": "word " * 20}],
+             "finish_reason": reason} for i, reason in enumerate(["stop", "length", "length"])]
+    pd.DataFrame(rows).to_parquet(tmp_path / "e.parquet")
+    stats = tokenize_expanded({"x": str(tmp_path / "e.parquet")}, str(path), 2, [128], str(tmp_path / "tok"),
+                              str(tmp_path / "s.json"), log=lambda m: None)
+    assert stats["samples"] == 3 and stats["cut_replies"]["kept_with_end_of_turn_out_of_the_loss"] == 2
+    import datasets
+
+    n_loss = datasets.load_from_disk(str(tmp_path / "tok"))["num_loss_tokens"]
+    assert n_loss[0] == n_loss[1] + 2 == n_loss[2] + 2  # <|im_end|> and its newline
+    stats = tokenize_expanded({"x": str(tmp_path / "e.parquet")}, str(path), 2, [128], str(tmp_path / "tok2"),
+                              str(tmp_path / "s2.json"), cut_replies="drop", log=lambda m: None)
+    assert stats["samples"] == 1 and stats["dropped"] == {"cut_reply": 2}
+
+
+def user_config(work: Path, target: Path, **overrides) -> Path:
+    """A user's config: their target and ONLY their datasets (the shipped four must not appear)."""
+    cfg = {
+        "target": {"path": str(target)},
+        "datasets": {
+            "mine": {"path": str(PROMPTS / "math_train.jsonl.gz"), "messages_column": "messages", "limit": 40},
+            "mine_eval": {"path": str(PROMPTS / "math_heldout.jsonl.gz"), "messages_column": "messages", "use": "eval",
+                          "limit": 3},
+        },
+        "expand": {"max_new_tokens": 40, "batch_size": 16, "chunk_size": 20, "threads": 1},
+        "tokenize": {"buckets": [128, 256]},
+        "gpu": {"slots": 1},
+        "drafter": {"block_size": 4, "num_layers": 1},
+        "train": {"shards": 1, "threads": 1, "num_anchors": 8, "batch_size": 4, "max_steps": 4, "heldout_samples": 4},
+        "evaluate": {"num_prompts": 2, "max_new_tokens": 12, "methods": ["dflash", "ar"]},
+    }
+    for key, value in overrides.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    path = work / "my.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_a_users_llama_target_and_datasets_run_end_to_end(micro_target, tmp_path):
+    """A Llama-family target whose tokenizer has no mask token and no spare row is refused before
+    anything runs, with the candidates; with one of them set, the pipeline runs on the user's
+    datasets only."""
+    target = make_target(tmp_path / "llama", micro_target, "llama", template=WITH_DEFAULT_SYSTEM)
+    work = tmp_path / "wf"
+    work.mkdir()
+    res = snakemake(work, "-n", "--configfile", str(user_config(work, target)))
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("ERROR:")]
+    assert line.startswith("ERROR: drafter.mask_token_id: the target in") and "'<|mask|>'" in line
+
+    mask_id = json.loads((target / "tokenizer.json").read_text())["added_tokens"][3]["id"]  # <|mask|>
+    cfg = user_config(work, target, drafter={"mask_token_id": mask_id})
+    plan = planned_rules(work, "--configfile", str(cfg))
+    assert plan["prompts"] == 2 and plan["expand_shard"] == 1 and plan["evaluate"] == 1  # no shipped dataset
+    res = snakemake(work, "--cores", "2", "--configfile", str(cfg))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(p.stem for p in (work / "results/prompts").glob("*.parquet")) == ["mine", "mine_eval"]
+    summary = json.loads((work / "results/eval/mine_eval.summary.json").read_text())
+    assert summary["lossless"]["passed"] and summary["chat_template_kwargs"] == {}
+    stats = json.loads((work / "results/tokenized/stats.json").read_text())
+    assert stats["samples"] > 0 and stats["cut_replies"]["rule"] == "mask_end"
+    assert json.loads((work / "results/drafter/config.json").read_text())["dflash_config"]["mask_token_id"] == mask_id
