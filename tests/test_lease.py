@@ -181,6 +181,33 @@ def test_lease_device_gpu_mode_narrows_visible_devices(tmp_path, monkeypatch):
     L.acquire_slot(tmp_path, 3, slot=0, timeout_s=0.5).release()  # the failed lease was released
 
 
+def test_under_a_scheduler_the_allocation_is_the_lease(tmp_path, monkeypatch):
+    """Inside a SLURM job no lock is taken: a one-GPU job uses its GPU whatever its slot (warm job
+    i), a K-GPU job gives slot k the allocation's k-th GPU (training rank k), and a rank started
+    with that GPU keeps it."""
+    monkeypatch.setenv("DFLASH_DEVICE", "cuda")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    cfg = {"results": str(tmp_path), "gpu": {"slots": 3, "lock_dir": None, "lease_timeout_s": 1}}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6")
+    dev = L.lease_for_job(cfg, slot=2)
+    assert (dev.device, dev.visible_devices, dev.held) == ("cuda:0", "6", True)
+    assert not (tmp_path / "locks").exists()  # no lock files: the scheduler keeps jobs apart
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    leases = [L.lease_for_job(cfg, slot=k, set_env=False) for k in range(2)]
+    assert [x.visible_devices for x in leases] == ["4", "6"]
+    env = leases[1].child_env()
+    assert env["CUDA_VISIBLE_DEVICES"] == "6" and "DFLASH_LEASE_FD" not in env
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env["CUDA_VISIBLE_DEVICES"])  # in the rank process
+    assert L.lease_for_job(cfg, slot=1).visible_devices == "6"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    with pytest.raises(UserError, match=r"GPU slot 2: the scheduler allocated 2 GPU\(s\) to this job"):
+        L.lease_for_job(cfg, slot=2)
+    monkeypatch.setenv("DFLASH_SCHEDULER", "none")  # detection overridden: the flock leases again
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
+    with L.lease_for_job(cfg, slot=1) as dev:
+        assert dev.visible_devices == "5" and (tmp_path / "locks/slot1.lock").exists()
+
+
 def test_lease_device_refuses_after_cuda_init(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_DEVICE", "cuda")
     fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))

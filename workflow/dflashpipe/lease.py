@@ -408,8 +408,9 @@ class DeviceLease:
         The child must inherit the lease's fd (``pass_fds``/exec); its own
         :func:`lease_device` for the same slot then adopts it instead of waiting.
         """
-        env = {ENV_SLOT: str(self.slot), ENV_LEASE_FD: str(self.lease.fd),
-               ENV_DEVICE: "cpu" if self.device == "cpu" else "cuda"}
+        env = {ENV_SLOT: str(self.slot), ENV_DEVICE: "cpu" if self.device == "cpu" else "cuda"}
+        if self.lease.fd is not None:  # an allocation (cluster scheduler) has no lock to hand over
+            env[ENV_LEASE_FD] = str(self.lease.fd)
         if self.visible_devices is not None:
             env[ENV_CVD] = self.visible_devices
         return env
@@ -470,14 +471,67 @@ def lease_device(
         raise
 
 
+class AllocationLease(SlotLease):
+    """Under a cluster scheduler the job's allocation is the lease: nothing to lock or to release."""
+
+    def __init__(self, slot: int, n_slots: int):
+        super().__init__(Path("."), slot, n_slots, fd=None)  # type: ignore[arg-type]
+
+    @property
+    def held(self) -> bool:
+        return True
+
+
+def scheduler_owns_gpus() -> bool:
+    """True inside a cluster scheduler's job (SLURM), whose allocation decides the job's GPUs.
+
+    ``DFLASH_SCHEDULER=slurm|none`` overrides the detection (``SLURM_JOB_ID`` in the environment).
+    """
+    mode = os.environ.get("DFLASH_SCHEDULER", "auto").strip().lower()
+    if mode in ("slurm", "none"):
+        return mode == "slurm"
+    return "SLURM_JOB_ID" in os.environ
+
+
+def allocation_device(slot: int | None = None, set_env: bool = True) -> DeviceLease:
+    """The device of a job whose GPUs a scheduler allocated (no flock: the scheduler keeps jobs apart).
+
+    A job allocated one GPU uses it, whatever its slot (warm job i, an evaluation); a job
+    allocated K GPUs (the training job) gives slot k the allocation's k-th GPU. Without GPUs,
+    the CPU, as on a workstation.
+    """
+    kind = detect_device_kind()
+    if kind == "cuda" and _cuda_initialised():
+        raise RuntimeError("CUDA is already initialised in this process; choose the GPU before any torch.cuda call")
+    visible = None
+    entries = [str(i) for i in range(max(1, _physical_gpu_count()))]
+    if kind == "cuda":
+        entries = _parse_cvd(os.environ.get(ENV_CVD, "")) or entries
+        index = 0 if slot is None or len(entries) == 1 else slot
+        if index >= len(entries):
+            raise UserError(
+                f"GPU slot {slot}: the scheduler allocated {len(entries)} GPU(s) to this job "
+                f"({ENV_CVD}={os.environ.get(ENV_CVD)!r}); the job's `gpu` resource must cover its slots"
+            )
+        visible = entries[index]
+        if set_env:
+            os.environ[ENV_CVD] = visible
+    if set_env:
+        os.environ[ENV_SLOT] = str(slot or 0)
+    return DeviceLease(AllocationLease(slot or 0, len(entries)), "cuda:0" if kind == "cuda" else "cpu", visible)
+
+
 def lease_for_job(config: dict, slot: int | None = None, **kwargs) -> DeviceLease:
-    """:func:`lease_device` with the workflow config's ``gpu`` section.
+    """:func:`lease_device` with the workflow config's ``gpu`` section, or the scheduler's allocation.
 
     Jobs read these settings at run time instead of taking them as rule
     params: where the slots' locks live, how many there are and how long to
     wait for one decide where a job runs, not what it computes, so changing
-    them must not rerun finished jobs.
+    them must not rerun finished jobs. Inside a cluster scheduler's job the
+    leases step aside (:func:`allocation_device`).
     """
+    if scheduler_owns_gpus():
+        return allocation_device(slot, set_env=kwargs.get("set_env", True))
     gpu = config["gpu"]
     lock_dir = gpu.get("lock_dir") or os.path.join(config["results"], "locks")
     return lease_device(lock_dir, gpu["slots"], slot=slot, timeout_s=gpu["lease_timeout_s"], **kwargs)

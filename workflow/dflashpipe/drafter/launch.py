@@ -159,7 +159,8 @@ def run_training(*, world_size: int, threads_per_rank: int, cfg: dict, tokenized
             leases.append(lease_for_job(gpu_config, slot=r, set_env=False))
         log(f"leased slots 0..{world_size - 1}: {[lease.visible_devices or lease.device for lease in leases]}")
         launch([[sys.executable, "-m", "dflashpipe.drafter.launch", str(r), arg] for r in range(world_size)], rank_logs,
-               log, envs=[lease.child_env() for lease in leases], pass_fds=[(lease.lease.fd,) for lease in leases])
+               log, envs=[lease.child_env() for lease in leases],
+               pass_fds=[() if lease.lease.fd is None else (lease.lease.fd,) for lease in leases])
     finally:
         for lease in leases:
             lease.release()
