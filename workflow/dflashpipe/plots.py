@@ -49,12 +49,12 @@ def training_curves(training_csv: str, loss_png: str, tokens_png: str) -> None:
     _save(fig, loss_png)
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for col, label in (("tokens_per_s", "all GPUs"), ("tokens_per_s_per_gpu", "per GPU")):
-        if col not in df or (col == "tokens_per_s_per_gpu" and (df[col] == df["tokens_per_s"]).all()):
-            continue  # one GPU: the two curves coincide
+    one_rank = "tokens_per_s_per_gpu" not in df or (df["tokens_per_s_per_gpu"] == df["tokens_per_s"]).all()
+    curves = [("tokens_per_s", "")] if one_rank else [("tokens_per_s", "all shards, "), ("tokens_per_s_per_gpu", "per shard, ")]
+    for col, label in curves:
         line = ax.plot(df["step"], df[col], alpha=0.25, lw=0.8)[0]
         smooth = df[col].rolling(25, min_periods=1, center=True).mean()
-        ax.plot(df["step"], smooth, color=line.get_color(), lw=2, label=f"{label} (25-step mean)")
+        ax.plot(df["step"], smooth, color=line.get_color(), lw=2, label=f"{label}25-step mean")
     ax.set(xlabel="optimiser step (light: per step; length buckets differ)", ylabel="context tokens / s",
            title="Training throughput")
     ax.set_ylim(bottom=0)
