@@ -156,3 +156,26 @@ def test_a_users_llama_target_and_datasets_run_end_to_end(micro_target, tmp_path
     stats = json.loads((work / "results/tokenized/stats.json").read_text())
     assert stats["samples"] > 0 and stats["cut_replies"]["rule"] == "mask_end"
     assert json.loads((work / "results/drafter/config.json").read_text())["dflash_config"]["mask_token_id"] == mask_id
+
+
+def test_the_last_configfile_naming_datasets_wins_and_the_checker_agrees(micro_target, tmp_path):
+    """With several --configfile files, the datasets are those of the last file naming any (not a
+    union); `python -m dflashpipe.config` checks what the workflow checks, the mask token included."""
+    import subprocess
+    import sys
+
+    target = make_target(tmp_path / "llama", micro_target, "llama", template=WITH_DEFAULT_SYSTEM)
+    work = tmp_path / "wf"
+    work.mkdir()
+    first = user_config(work, target, drafter={"mask_token_id": 3})
+    second = work / "other.yaml"
+    second.write_text(yaml.safe_dump({"datasets": {"only": {"path": str(PROMPTS / "math_train.jsonl.gz"),
+                                                            "messages_column": "messages", "limit": 8}}}))
+    plan = planned_rules(work, "--configfile", str(first), str(second))
+    assert plan["prompts"] == 1 and "evaluate" not in plan  # `only`, without the first file's two
+    checker = [sys.executable, "-m", "dflashpipe.config"]
+    ok = subprocess.run([*checker, str(first), str(second)], capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.strip().endswith(f"ok: {first}, {second}")
+    bare = user_config(tmp_path, target)  # no mask_token_id: refused by the checker as by the workflow
+    res = subprocess.run([*checker, str(bare)], capture_output=True, text=True)
+    assert res.returncode == 1 and res.stderr.startswith("ERROR: drafter.mask_token_id: the target in")

@@ -176,6 +176,45 @@ def load_yaml(path: str) -> dict:
     return data if data is not None else {}
 
 
+def user_datasets(configfiles, cli_config: dict | None = None) -> dict | None:
+    """The datasets a user names: those of the last ``--configfile`` with a ``datasets`` section, or of ``--config``.
+
+    Snakemake merges config files key by key; for ``datasets`` (a map of names) that
+    would add the shipped datasets, and those of earlier files, to a user's own.
+    """
+    found = None
+    for f in configfiles:
+        data = load_yaml(str(f))
+        if isinstance(data, dict) and "datasets" in data:
+            found = data["datasets"]
+    if cli_config and "datasets" in cli_config:
+        found = cli_config["datasets"]
+    return found
+
+
+def prepare_config(config: dict, source: str, user_files=(), cli_config: dict | None = None) -> list[str]:
+    """What the workflow checks before any job runs, in one place; raises a one-line UserError.
+
+    The user's datasets replace the shipped ones (:func:`user_datasets`), the config is
+    validated (defaults filled in), and a configured target is checked, including the
+    drafter's MASK token (decided now from its files, not hours later in training).
+    Returns lines worth showing the user.
+    """
+    from dflashpipe.target import check_target_dir, resolve_mask_token
+
+    datasets = user_datasets(user_files, cli_config)
+    if datasets is not None:
+        config["datasets"] = copy.deepcopy(datasets)
+    validate_config(config, str(SCHEMA_PATH), source)
+    notes = []
+    if config["target"]["path"] is not None:
+        check_target_dir(config["target"]["path"])
+        mask_id, how = resolve_mask_token(config["target"]["path"], config["drafter"]["mask_token_id"])
+        if config["drafter"]["mask_token_id"] is None:
+            notes.append(f"drafter.mask_token_id: {mask_id}, {how}")
+    return notes
+
+
 def _merge(base: dict, over: dict) -> dict:
     """Snakemake's merge of --configfile files onto the workflow's config: nested keys update."""
     out = dict(base)
@@ -189,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Snakemake parses ``--configfile`` files before the workflow starts and
     reports a YAML syntax error without the file or line; this names both, then
-    validates the merged config (onto config/config.yaml) like the workflow does.
+    checks the merged config (onto config/config.yaml) as the workflow does
+    (:func:`prepare_config`).
     """
     import sys
 
@@ -201,10 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         merged = load_yaml(str(SCHEMA_PATH.parents[2] / "config" / "config.yaml"))
         for f in files:
             merged = _merge(merged, load_yaml(f))
-        validate_config(merged, str(SCHEMA_PATH), ", ".join(files))
+        notes = prepare_config(merged, ", ".join(files), files)
     except UserError as err:
         print(f"ERROR: {err}", file=sys.stderr)
         return 1
+    for line in notes:
+        print(line)
     print(f"ok: {', '.join(files)}")
     return 0
 

@@ -70,7 +70,10 @@ def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chu
     ]
     progress(sum(r is not None for r in skip), 0)
     order = sorted((i for i in range(len(texts)) if not skip[i]), key=lambda i: lengths[i])  # less padding per batch
-    eos_ids = tokenizer.eos_token_id
+    # every end token the target stops at (tokenizer and generation config): a reply ended by any
+    # of them is finished, not cut at the length limit
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos_ids = {tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])} - {None}
     new_tokens = 0
     for start in range(0, len(order), s.batch_size):
         idx = order[start : start + s.batch_size]
@@ -88,7 +91,7 @@ def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chu
         for j, ids in enumerate(gen):
             i = idx[j // s.num_samples]
             ids = ids.tolist()
-            stop = next((k for k, t in enumerate(ids) if t == eos_ids), None)
+            stop = next((k for k, t in enumerate(ids) if t in eos_ids), None)
             kept = ids if stop is None else ids[:stop]
             kept = [t for t in kept if t != tokenizer.pad_token_id]
             new_tokens += len(kept) + (stop is not None)

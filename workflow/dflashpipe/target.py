@@ -93,14 +93,21 @@ def _tokenizer_facts(path: Path) -> dict:
     that start-up checks need neither transformers nor torch; a target without
     tokenizer.json (e.g. a sentencepiece model only) is read through transformers.
     """
-    cfg = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").is_file() else {}
+    def read(name: str) -> dict:
+        return json.loads((path / name).read_text()) if (path / name).is_file() else {}
+
+    cfg, special_map = read("tokenizer_config.json"), read("special_tokens_map.json")
     template = cfg.get("chat_template") or ""
     if (path / "chat_template.jinja").is_file():
         template = (path / "chat_template.jinja").read_text()
-    named = {k: _token_content(cfg.get(k)) for k in ("mask_token", "eos_token", "bos_token", "pad_token", "unk_token")}
+    named = {k: _token_content(cfg.get(k) or special_map.get(k))
+             for k in ("mask_token", "eos_token", "bos_token", "pad_token", "unk_token")}
     if (path / "tokenizer.json").is_file():
         tj = json.loads((path / "tokenizer.json").read_text())
         added = {int(t["id"]): (t["content"], bool(t.get("special"))) for t in tj.get("added_tokens", [])}
+        # tokens transformers adds at load from the config (older tokenizer_config.json files)
+        for i, t in (cfg.get("added_tokens_decoder") or {}).items():
+            added.setdefault(int(i), (t["content"], bool(t.get("special"))))
         vocab = tj.get("model", {}).get("vocab") or {}
         ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
         n_tokens = max([*ids, *added, -1]) + 1
@@ -135,9 +142,16 @@ def resolve_mask_token(path: str, configured: int | None = None, field: str = "d
             raise UserError(f"{field}: {configured} is not a row of the target embedding ({rows} rows in {p}/config.json)")
         return int(configured), "set in the config"
     facts = _tokenizer_facts(p)
+
+    def row(token_id: int, how: str) -> tuple[int, str]:
+        if rows is not None and token_id >= rows:
+            raise UserError(f"{field}: {how} has id {token_id}, past the target embedding's {rows} rows ({p}/config.json); "
+                            f"set {field} to a row of the embedding")
+        return token_id, how
+
     mask = facts["named"]["mask_token"]
     if mask is not None and mask in facts["by_content"]:
-        return facts["by_content"][mask], f"the tokenizer's mask token {mask!r}"
+        return row(facts["by_content"][mask], f"the tokenizer's mask token {mask!r}")
     if rows is not None and rows > facts["n_tokens"]:
         return facts["n_tokens"], (f"the first spare embedding row (the tokenizer has {facts['n_tokens']} tokens, "
                                    f"the embedding {rows} rows)")
@@ -146,7 +160,7 @@ def resolve_mask_token(path: str, configured: int | None = None, field: str = "d
             if special and c not in used and c not in facts["template"]]
     reserved = [(i, c) for i, c in free if "reserved" in c.lower()]
     if reserved:
-        return reserved[0][0], f"the reserved special token {reserved[0][1]!r}"
+        return row(reserved[0][0], f"the reserved special token {reserved[0][1]!r}")
     listed = ", ".join(f"{i} {c!r}" for i, c in free[:8]) or "none"
     raise UserError(
         f"{field}: the target in {p} has no mask token, no spare embedding row ({rows} rows, {facts['n_tokens']} "

@@ -65,7 +65,10 @@ def encode_chat(tokenizer, messages: list[dict], max_length: int, chat_template_
         open_reply = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                                         continue_final_message=True, **kwargs)["input_ids"])
         end = _common_prefix(open_reply, full)
-        if end < len(open_reply) or end <= start:
+        # the loss span must be the reply and nothing else (e.g. Qwen3 renders a reply cut inside its
+        # thinking as an empty think block followed by the reply: that block was never generated)
+        span = tokenizer.decode(full[start:end], skip_special_tokens=False)
+        if end < len(open_reply) or end <= start or "".join(span.split()) != "".join(messages[-1]["content"].split()):
             raise ValueError("the chat template renders a cut reply differently from a finished one")
     ids = full[:max_length]
     mask = [int(start <= i < end) for i in range(len(ids))]
@@ -123,7 +126,6 @@ def tokenize_expanded(
             except ValueError:
                 dropped["cut_reply_not_maskable"] += 1
                 continue
-            cut_masked += cut
             truncated += full_len > max_length
             n_loss = sum(mask)
             if n_loss == 0 and len(ids) == max_length:
@@ -132,6 +134,7 @@ def tokenize_expanded(
             if n_loss < min_loss_tokens:
                 dropped[f"fewer_than_{min_loss_tokens}_loss_tokens"] += 1
                 continue
+            cut_masked += cut
             records.append(
                 {
                     "dataset": name,

@@ -1,6 +1,5 @@
 # Input functions and shared helpers. Nothing here runs a stage.
 
-import copy
 import os
 import sys
 from pathlib import Path
@@ -9,25 +8,14 @@ REPO = Path(workflow.basedir)
 sys.path.insert(0, str(REPO / "workflow"))
 
 from dflashpipe.codedeps import script_closure
-from dflashpipe.config import compile_keys, result_params, validate_config
+from dflashpipe.config import compile_keys, prepare_config, result_params
 from dflashpipe.errors import UserError
-from dflashpipe.target import check_target_dir, resolve_mask_token
 
 _config_source = ", ".join(str(f) for f in workflow.configfiles) or "config"
-# Snakemake merges a --configfile onto config/config.yaml key by key; for `datasets` (a map of
-# names) that would add the shipped datasets to a user's own. A user config that names datasets
-# replaces them.
-_user_config = workflow.config_settings.overwrite_config
-if "datasets" in _user_config:
-    config["datasets"] = copy.deepcopy(_user_config["datasets"])
 try:
-    validate_config(config, str(REPO / "workflow/schemas/config.schema.yaml"), _config_source)
-    if config["target"]["path"] is not None:
-        check_target_dir(config["target"]["path"])
-        # decided now, from the target's files, not hours later in the first training job
-        _mask_id, _mask_how = resolve_mask_token(config["target"]["path"], config["drafter"]["mask_token_id"])
-        if config["drafter"]["mask_token_id"] is None:
-            print(f"drafter.mask_token_id: {_mask_id}, {_mask_how}", file=sys.stderr)
+    for _note in prepare_config(config, _config_source, workflow.config_settings.configfiles,
+                                workflow.config_settings.config):
+        print(_note, file=sys.stderr)
 except UserError as err:
     raise SystemExit(f"ERROR: {err}")
 

@@ -51,12 +51,13 @@ def run_identity(cfg, tokenized_dir: str, target_dir: str) -> dict:
     """Everything the trained weights depend on (readable; its hash keys the checkpoint directory)."""
     from dflashpipe.config import operational_keys
     from dflashpipe.hotstart import code_digest, train_step_code_files
-    from dflashpipe.target import target_fingerprint
+    from dflashpipe.target import resolve_mask_token, target_fingerprint
 
     skip = set(operational_keys("train"))
     state = (Path(tokenized_dir) / "state.json").read_bytes()
     return {
         "train": {k: v for k, v in asdict(cfg).items() if k not in skip},
+        "mask_token_id": resolve_mask_token(target_dir, cfg.mask_token_id)[0],  # as decided, not as configured
         "data": hashlib.sha256(state).hexdigest()[:16],
         "target": target_fingerprint(target_dir),
         "code": code_digest(train_step_code_files()),
