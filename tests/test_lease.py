@@ -182,18 +182,21 @@ def test_lease_device_gpu_mode_narrows_visible_devices(tmp_path, monkeypatch):
 
 
 def test_under_a_scheduler_the_allocation_is_the_lease(tmp_path, monkeypatch):
-    """Inside a SLURM job no lock is taken: a one-GPU job uses its GPU whatever its slot (warm job
-    i), a K-GPU job gives slot k the allocation's k-th GPU (training rank k), and a rank started
-    with that GPU keeps it."""
+    """Inside a SLURM job that got exactly its GPUs no lock is taken: a one-GPU job uses its GPU
+    whatever its slot (warm job i), a K-GPU job gives slot k the allocation's k-th GPU (training
+    rank k), and a rank started with that GPU keeps it. An allocation holding more GPUs than the
+    job asked for is shared (Snakemake run locally inside salloc): the flock leases divide it."""
     monkeypatch.setenv("DFLASH_DEVICE", "cuda")
     monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.delenv("DFLASH_SLOT", raising=False)
+    monkeypatch.delenv("DFLASH_LEASE_FD", raising=False)
     cfg = {"results": str(tmp_path), "gpu": {"slots": 3, "lock_dir": None, "lease_timeout_s": 1}}
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6")
     dev = L.lease_for_job(cfg, slot=2)
     assert (dev.device, dev.visible_devices, dev.held) == ("cuda:0", "6", True)
     assert not (tmp_path / "locks").exists()  # no lock files: the scheduler keeps jobs apart
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
-    leases = [L.lease_for_job(cfg, slot=k, set_env=False) for k in range(2)]
+    leases = [L.lease_for_job(cfg, slot=k, gpus=2, set_env=False) for k in range(2)]
     assert [x.visible_devices for x in leases] == ["4", "6"]
     env = leases[1].child_env()
     assert env["CUDA_VISIBLE_DEVICES"] == "6" and "DFLASH_LEASE_FD" not in env
@@ -201,11 +204,12 @@ def test_under_a_scheduler_the_allocation_is_the_lease(tmp_path, monkeypatch):
     assert L.lease_for_job(cfg, slot=1).visible_devices == "6"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
     with pytest.raises(UserError, match=r"GPU slot 2: the scheduler allocated 2 GPU\(s\) to this job"):
-        L.lease_for_job(cfg, slot=2)
-    monkeypatch.setenv("DFLASH_SCHEDULER", "none")  # detection overridden: the flock leases again
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")
+        L.lease_for_job(cfg, slot=2, gpus=2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,7")  # a shared allocation: one-GPU jobs lock slots
     with L.lease_for_job(cfg, slot=1) as dev:
         assert dev.visible_devices == "5" and (tmp_path / "locks/slot1.lock").exists()
+    monkeypatch.setenv("DFLASH_SCHEDULER", "slurm")  # the detection overridden
+    assert L.lease_for_job(cfg, slot=1).visible_devices == "5" and L.scheduler_owns_gpus()
 
 
 def test_lease_device_refuses_after_cuda_init(tmp_path, monkeypatch):

@@ -25,9 +25,24 @@ from conftest import mini_config, snakemake, snakemake_env, write_config
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol")
 
 
+MARKER = "# written by tests/test_slurm.py (removed when the test ends)\n"
+
+
 def _skip(reason: str):
+    """Skip with the reason printed; CI sets DFLASH_REQUIRE_SLURM=1, which makes it a failure."""
     print(f"SKIP test_slurm: {reason}")
+    if os.environ.get("DFLASH_REQUIRE_SLURM") == "1":
+        pytest.fail(f"SLURM test required (DFLASH_REQUIRE_SLURM=1) but: {reason}")
     pytest.skip(reason)
+
+
+def _die_with_pytest():
+    """A pre-exec function: the daemon gets SIGKILL if pytest dies (a CI time-out leaves nothing running)."""
+    import ctypes
+    import signal
+
+    prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _install() -> None:
@@ -92,14 +107,15 @@ def slurm_cluster(tmp_path_factory):
     # srun inside a job finds no SLURM_CONF (the plugin's job step drops SLURM_* variables): it
     # reads the default /etc/slurm/slurm.conf, which this test writes and removes again
     system_conf = Path("/etc/slurm")
-    if (system_conf / "slurm.conf").exists():
+    existing = system_conf / "slurm.conf"
+    if existing.exists() and not existing.read_text(errors="replace").startswith(MARKER):
         _skip("/etc/slurm/slurm.conf exists (a configured SLURM installation): not touching it")
     placed, started = [], []
     logs = [d / "log/slurmctld.log", d / "log/slurmd.log"]
     try:
         system_conf.mkdir(parents=True, exist_ok=True)
-        for name in ("slurm.conf", "gres.conf"):
-            shutil.copy(d / name, system_conf / name)
+        for name in ("slurm.conf", "gres.conf"):  # (a copy left by a killed run of this test is taken over)
+            (system_conf / name).write_text(MARKER + (d / name).read_text())
             placed.append(system_conf / name)
         if subprocess.run(["bash", "-c", "munge -n | unmunge"], capture_output=True).returncode != 0:
             key = Path("/etc/munge/munge.key")
@@ -111,12 +127,13 @@ def slurm_cluster(tmp_path_factory):
             Path("/run/munge").mkdir(parents=True, exist_ok=True)
             shutil.chown("/run/munge", "munge", "munge")
             started.append(subprocess.Popen(["munged", "--foreground"], user="munge", group="munge",
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                            preexec_fn=_die_with_pytest()))
             _wait(lambda: subprocess.run(["bash", "-c", "munge -n | unmunge"], capture_output=True).returncode == 0,
                   30, "munged did not start", [])
         for daemon in ("slurmctld", "slurmd"):
             started.append(subprocess.Popen([daemon, "-D", "-f", str(conf)], env=env, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL))
+                                            stderr=subprocess.DEVNULL, preexec_fn=_die_with_pytest()))
             time.sleep(2)
 
         def idle() -> bool:
@@ -126,6 +143,12 @@ def slurm_cluster(tmp_path_factory):
         _wait(idle, 60, "the node did not become idle", logs)
         yield env
     finally:
+        if len(started) >= 2:  # jobs of a failed run: cancelled, and gone, before the daemons stop
+            subprocess.run(["scancel", "--full", "--user", "root"], env=env, capture_output=True)
+            deadline = time.time() + 60
+            while time.time() < deadline and subprocess.run(["squeue", "-h"], env=env, capture_output=True,
+                                                             text=True).stdout.strip():
+                time.sleep(1)
         for f in placed:
             f.unlink(missing_ok=True)
         for p in reversed(started):

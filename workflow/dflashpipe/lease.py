@@ -482,15 +482,24 @@ class AllocationLease(SlotLease):
         return True
 
 
-def scheduler_owns_gpus() -> bool:
-    """True inside a cluster scheduler's job (SLURM), whose allocation decides the job's GPUs.
+def _allocated_gpus() -> int:
+    """GPUs this process may see: its ``CUDA_VISIBLE_DEVICES`` entries, else the machine's."""
+    cvd = os.environ.get(ENV_CVD)
+    return len(_parse_cvd(cvd)) if cvd is not None else max(0, _physical_gpu_count())
 
-    ``DFLASH_SCHEDULER=slurm|none`` overrides the detection (``SLURM_JOB_ID`` in the environment).
+
+def scheduler_owns_gpus(gpus: int = 1) -> bool:
+    """True when a cluster scheduler gave THIS job its GPUs: inside a SLURM job whose allocation
+    holds no more GPUs than the job asked for (``gpus``).
+
+    An allocation with more GPUs than the job's request is one that several jobs share (Snakemake
+    run locally inside an ``salloc``/``sbatch``): there the flock leases divide it, as on a
+    workstation. ``DFLASH_SCHEDULER=slurm|none`` overrides the detection.
     """
     mode = os.environ.get("DFLASH_SCHEDULER", "auto").strip().lower()
     if mode in ("slurm", "none"):
         return mode == "slurm"
-    return "SLURM_JOB_ID" in os.environ
+    return "SLURM_JOB_ID" in os.environ and _allocated_gpus() <= gpus
 
 
 def allocation_device(slot: int | None = None, set_env: bool = True) -> DeviceLease:
@@ -521,16 +530,17 @@ def allocation_device(slot: int | None = None, set_env: bool = True) -> DeviceLe
     return DeviceLease(AllocationLease(slot or 0, len(entries)), "cuda:0" if kind == "cuda" else "cpu", visible)
 
 
-def lease_for_job(config: dict, slot: int | None = None, **kwargs) -> DeviceLease:
+def lease_for_job(config: dict, slot: int | None = None, gpus: int = 1, **kwargs) -> DeviceLease:
     """:func:`lease_device` with the workflow config's ``gpu`` section, or the scheduler's allocation.
 
     Jobs read these settings at run time instead of taking them as rule
     params: where the slots' locks live, how many there are and how long to
     wait for one decide where a job runs, not what it computes, so changing
-    them must not rerun finished jobs. Inside a cluster scheduler's job the
-    leases step aside (:func:`allocation_device`).
+    them must not rerun finished jobs. ``gpus``: how many GPUs the job asked
+    for (its ``gpu`` resource). Inside a cluster scheduler's job that got
+    exactly its GPUs the leases step aside (:func:`allocation_device`).
     """
-    if scheduler_owns_gpus():
+    if scheduler_owns_gpus(gpus):
         return allocation_device(slot, set_env=kwargs.get("set_env", True))
     gpu = config["gpu"]
     lock_dir = gpu.get("lock_dir") or os.path.join(config["results"], "locks")

@@ -156,7 +156,7 @@ def run_training(*, world_size: int, threads_per_rank: int, cfg: dict, tokenized
     leases = []
     try:
         for r in range(world_size):
-            leases.append(lease_for_job(gpu_config, slot=r, set_env=False))
+            leases.append(lease_for_job(gpu_config, slot=r, gpus=world_size, set_env=False))
         log(f"leased slots 0..{world_size - 1}: {[lease.visible_devices or lease.device for lease in leases]}")
         launch([[sys.executable, "-m", "dflashpipe.drafter.launch", str(r), arg] for r in range(world_size)], rank_logs,
                log, envs=[lease.child_env() for lease in leases],
