@@ -92,3 +92,33 @@ def test_example_configs_are_valid():
     bad = _merge(base, {"train": {"compile": "everything"}})
     with pytest.raises(UserError, match=r"train.compile: 'everything' is not one of"):
         check(bad)
+
+
+def test_library_defaults_agree_with_the_schema():
+    """The schema is the one home of defaults: a library settings class that knows a key has the same default."""
+    import dataclasses
+
+    from dflashpipe.config import load_schema
+    from dflashpipe.drafter.train import TrainConfig
+    from dflashpipe.evaluate.ar_draft import ARDraftConfig
+    from dflashpipe.expand import ExpandSettings
+    from dflashpipe.tiny_target import TinyTargetConfig
+
+    schema = load_schema()
+
+    def section(path):
+        node = schema
+        for part in path.split("."):
+            node = node["properties"][part]
+        return node["properties"]
+
+    checked = 0
+    for cls, path in [(TinyTargetConfig, "target.tiny"), (ExpandSettings, "expand"), (TrainConfig, "train"),
+                      (ARDraftConfig, "ar_draft")]:
+        props = section(path)
+        for f in dataclasses.fields(cls):
+            if f.name in props and "default" in props[f.name]:
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                assert default == props[f.name]["default"], f"{cls.__name__}.{f.name}: {default!r} vs {path}.{f.name}"
+                checked += 1
+    assert checked > 40

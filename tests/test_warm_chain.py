@@ -87,13 +87,27 @@ def test_drafter_config_change_invalidates_stamps_but_lr_does_not(mini_run):
 
 
 def test_operational_settings_rerun_nothing(mini_run):
+    """Every key the schema marks x-operational (and not x-compile) is read at run time: a new value of
+    each, all at once, plans no job. The list comes from the schema, not from this test."""
+    from dflashpipe.config import load_schema
+
     work, _ = mini_run
     cfg = mini_config()
-    cfg["train"].update(checkpoint_every=7, threads=2, dist_timeout_s=99, eval_every=3)
-    cfg["target"]["tiny"].update(threads=2, max_minutes=9.0)
-    cfg["gpu"].update(lease_timeout_s=5, lock_dir=str(work / "other_locks"))
-    cfg["ar_draft"] = {**cfg.get("ar_draft", {}), "max_minutes": 3.0, "threads": 2}
-    cfg["expand"]["threads"] = cfg["evaluate"]["threads"] = 2
+    changed = []
+
+    def walk(node, values, path):
+        for key, sub in node.get("properties", {}).items():
+            if "properties" in sub:  # a section of the config (not a free-form map such as chat_template_kwargs)
+                walk(sub, values.setdefault(key, {}), path + [key])
+            elif sub.get("x-operational") and not sub.get("x-compile"):
+                old = values.get(key, sub.get("default"))
+                types = sub["type"] if isinstance(sub["type"], list) else [sub["type"]]
+                values[key] = old + 1 if "integer" in types else (old * 2 if "number" in types else str(work / "elsewhere"))
+                changed.append(".".join(path + [key]))
+
+    walk(load_schema(), cfg, [])
+    cfg["expand"] = dict(reversed(list(cfg["expand"].items())))  # the order a user writes keys in changes nothing
+    assert {"threads", "target.tiny.max_minutes", "train.eval_every", "gpu.lock_dir", "ar_draft.threads"} <= set(changed)
     assert planned_rules(work, "--configfile", str(write_config(work / "ops.yaml", cfg))) == {}
 
 

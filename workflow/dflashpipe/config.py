@@ -57,13 +57,23 @@ def compile_keys() -> tuple[str, ...]:
     return keys_marked("train", "compile")
 
 
+def canonical(value):
+    """``value`` with every mapping's keys sorted: Snakemake compares params in key order, so the
+    order in which a user writes their config must not rerun anything."""
+    if isinstance(value, dict):
+        return {k: canonical(value[k]) for k in sorted(value)}
+    if isinstance(value, list):
+        return [canonical(v) for v in value]
+    return value
+
+
 def result_params(config: dict, section: str) -> dict:
-    """A config section without its operational keys: what a rule takes as params."""
+    """A config section without its operational keys, keys sorted: what a rule takes as params."""
     node = config
     for part in section.split("."):
         node = node[part]
     skip = operational_keys(section)
-    return {k: v for k, v in node.items() if k not in skip}
+    return canonical({k: v for k, v in node.items() if k not in skip})
 
 
 def _fill_defaults(instance, schema):

@@ -28,12 +28,12 @@ from dflashpipe.errors import UserError
 
 @dataclass
 class ExpandSettings:
-    max_new_tokens: int = 256
-    batch_size: int = 32
+    max_new_tokens: int = 320
+    batch_size: int = 64
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     num_samples: int = 1  # samples per prompt (needs temperature > 0 when > 1)
-    chunk_size: int = 256
+    chunk_size: int = 512
     seed: int = 0
     chat_template_kwargs: dict = field(default_factory=dict)
 

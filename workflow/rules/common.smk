@@ -8,7 +8,7 @@ REPO = Path(workflow.basedir)
 sys.path.insert(0, str(REPO / "workflow"))
 
 from dflashpipe.codedeps import script_closure
-from dflashpipe.config import compile_keys, prepare_config, result_params
+from dflashpipe.config import canonical, compile_keys, prepare_config, result_params
 from dflashpipe.errors import UserError
 
 _config_source = ", ".join(str(f) for f in workflow.configfiles) or "config"
@@ -21,6 +21,14 @@ except UserError as err:
 
 R = config["results"]
 LIB = REPO / "workflow" / "dflashpipe"
+
+# Outputs that several rules name (each spelled once, here).
+TOKENIZED = f"{R}/tokenized/train"
+TOKENIZED_STATS = f"{R}/tokenized/stats.json"
+
+
+def eval_summary(dataset):
+    return f"{R}/eval/{dataset}.summary.json"
 
 
 def lib_code(script):
@@ -71,10 +79,10 @@ def all_outputs():
     out = [prompts_file(name) for name in config["datasets"]]
     if config["target"]["path"] is None:
         out.append(f"{R}/target/metrics.json")
-    out += [f"{R}/tokenized/train", f"{R}/tokenized/stats.json"]
+    out += [TOKENIZED, TOKENIZED_STATS]
     out += all_stamps()
     out += [TRAIN_SUMMARY, TRAIN_METRICS, DRAFTER]
-    out += expand(f"{R}/eval/{{d}}.summary.json", d=datasets_for("eval"))
+    out += [eval_summary(d) for d in datasets_for("eval")]
     out += [f"{R}/plots/tau_speedup.png"]
     return out
 
@@ -134,7 +142,7 @@ def all_stamps():
 
 def compile_settings():
     """The config that decides compiled code (the warm jobs' params: other keys do not rerun them)."""
-    return {"drafter": config["drafter"], "train": {k: config["train"][k] for k in compile_keys()}}
+    return {"drafter": result_params(config, "drafter"), "train": {k: config["train"][k] for k in sorted(compile_keys())}}
 
 
 def ar_draft_dir():

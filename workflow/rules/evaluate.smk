@@ -5,7 +5,7 @@ if "assisted" in config["evaluate"]["methods"]:
         conda:
             "../../envs/dflash.yaml"
         input:
-            tokenized=f"{R}/tokenized/train",
+            tokenized=TOKENIZED,
             target=target_dir(),
             code=lib_code("ar_draft.py"),
         output:
@@ -34,11 +34,11 @@ rule evaluate:
         code=lib_code("evaluate.py"),
     output:
         samples=f"{R}/eval/{{dataset}}.samples.parquet",
-        summary=f"{R}/eval/{{dataset}}.summary.json",
+        summary=eval_summary("{dataset}"),
     params:
         cfg=result_params(config, "evaluate"),
         seed=config["seed"],
-        chat_template_kwargs=config["expand"]["chat_template_kwargs"],
+        chat_template_kwargs=canonical(config["expand"]["chat_template_kwargs"]),
     threads: config["evaluate"]["threads"]
     resources:
         gpu=1,

@@ -3,7 +3,7 @@ rule tables:
     conda:
         "../../envs/dflash.yaml"
     input:
-        eval=expand(f"{R}/eval/{{d}}.summary.json", d=datasets_for("eval")),
+        eval=[eval_summary(d) for d in datasets_for("eval")],
         metrics=TRAIN_METRICS,
         train_summary=TRAIN_SUMMARY,
         stamps=all_stamps(),

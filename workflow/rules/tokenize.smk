@@ -7,14 +7,14 @@ rule tokenize:
         target=target_dir(),
         code=lib_code("tokenize.py"),
     output:
-        data=directory(f"{R}/tokenized/train"),
-        stats=f"{R}/tokenized/stats.json",
+        data=directory(TOKENIZED),
+        stats=TOKENIZED_STATS,
     params:
         names=datasets_for("train"),
         block_size=config["drafter"]["block_size"],
         buckets=config["tokenize"]["buckets"],
         cut_replies=config["tokenize"]["cut_replies"],
-        chat_template_kwargs=config["expand"]["chat_template_kwargs"],
+        chat_template_kwargs=canonical(config["expand"]["chat_template_kwargs"]),
     threads: config["threads"]
     log:
         f"{R}/logs/tokenize/tokenize.log",

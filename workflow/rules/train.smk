@@ -4,7 +4,7 @@ rule train:
         "../../envs/dflash.yaml"
     input:
         stamps=all_stamps(),
-        tokenized=f"{R}/tokenized/train",
+        tokenized=TOKENIZED,
         target=target_dir(),
         code=lib_code("train.py"),
     output:
@@ -12,7 +12,7 @@ rule train:
         metrics=TRAIN_METRICS,
         drafter=directory(DRAFTER),
     params:
-        drafter=config["drafter"],
+        drafter=result_params(config, "drafter"),
         train=result_params(config, "train"),
         seed=config["seed"],
         cache_root=CACHE_ROOT,

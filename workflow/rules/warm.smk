@@ -4,7 +4,7 @@ rule warm_slot:
         "../../envs/dflash.yaml"
     input:
         previous=previous_stamp,
-        tokenized=f"{R}/tokenized/train",
+        tokenized=TOKENIZED,
         target=target_dir(),
         code=lib_code("warm.py"),
     output:
