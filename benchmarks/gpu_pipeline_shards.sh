@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_pipeline_shards.sh OUT_DIR 1     # then 1 shard in the same results/: the warm chain
 #                                                        # (other shapes per GPU), training and evaluation rerun
 # The same recipe must give the same drafter. Needs gpu_inputs/tiny_target (see config/gpu_1x_tiny.yaml).
+# GPUS=8 ... 8 on an 8-GPU node.
 # Builds training and the held-out math evaluation (DFlash and AR; the peers are in h200_default/), packs
 # the small results into OUT_DIR/k<K>.tar.gz and prints the figures compared.
 set -uo pipefail
@@ -11,10 +12,11 @@ out=${1:?usage: gpu_pipeline_shards.sh OUT_DIR K [TIMEOUT_S]}
 k=${2:?usage: gpu_pipeline_shards.sh OUT_DIR K [TIMEOUT_S]}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
-printf 'gpu: {slots: %s}\nexpand: {shards: 2}\ntrain: {shards: %s}\nevaluate: {methods: [dflash, ar]}\n' "$k" "$k" > "$out/k$k.yaml"
+gpus=${GPUS:-2}  # GPUs of the machine: expansion shards and Snakemake's gpu budget
+printf 'gpu: {slots: %s}\nexpand: {shards: %s}\ntrain: {shards: %s}\nevaluate: {methods: [dflash, ar]}\n' "$k" "$gpus" "$k" > "$out/k$k.yaml"
 start=$(date +%s)
 timeout "${3:-560}" python3 -m snakemake results/train/summary.json results/eval/math_heldout.summary.json \
-  --cores 16 --resources gpu=2 --configfile config/config.yaml config/gpu_1x_tiny.yaml "$out/k$k.yaml" \
+  --cores 16 --resources gpu="$gpus" --configfile config/config.yaml config/gpu_1x_tiny.yaml "$out/k$k.yaml" \
   > "$out/snakemake_k$k.log" 2>&1
 echo "k$k: snakemake rc $?, wall $(( $(date +%s) - start )) s"
 grep -E "ERROR|Error in rule" "$out/snakemake_k$k.log" | head -5
