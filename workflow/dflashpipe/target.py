@@ -120,16 +120,11 @@ def _tokenizer_facts(path: Path) -> dict:
     return {"added": added, "by_content": by_content, "n_tokens": n_tokens, "template": template, "named": named}
 
 
-#: How the drafter's MASK token is chosen when ``drafter.mask_token_id`` is null (also in config/README.md).
-MASK_TOKEN_RULE = (
-    "the tokenizer's mask token; else the first embedding row past the tokenizer's tokens (Qwen3: 151669); "
-    "else the lowest-id special token named *reserved*; else an error listing the special tokens the chat "
-    "template does not use"
-)
-
-
 def resolve_mask_token(path: str, configured: int | None = None, field: str = "drafter.mask_token_id") -> tuple[int, str]:
-    """The drafter's MASK token id for a target, and how it was chosen (:data:`MASK_TOKEN_RULE`).
+    """The drafter's MASK token id for a target, and how it was chosen (the rule config/README.md documents):
+    the tokenizer's mask token; else the first embedding row past the tokenizer's tokens (Qwen3:
+    151669); else the lowest-id special token named *reserved*; else an error listing the special
+    tokens the chat template does not use.
 
     A configured id must be a row of the target's embedding. One line, naming
     ``field`` and the candidates, when no rule applies.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import resource
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -80,16 +80,11 @@ class TrainConfig:
     @classmethod
     def from_sections(cls, drafter: dict, train: dict, seed: int = 0) -> "TrainConfig":
         """Build from the config's ``drafter`` and ``train`` sections (pipeline-only keys ignored)."""
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in train.items() if k in known}
-        values.update(
-            num_layers=drafter["num_layers"],
-            block_size=drafter["block_size"],
-            target_layer_ids=drafter.get("target_layer_ids"),
-            mask_token_id=drafter.get("mask_token_id"),
-            seed=seed,
-        )
-        return cls(**values)
+        from dflashpipe.config import settings
+
+        return settings(cls, train, num_layers=drafter["num_layers"], block_size=drafter["block_size"],
+                        target_layer_ids=drafter.get("target_layer_ids"), mask_token_id=drafter.get("mask_token_id"),
+                        seed=seed)
 
 
 # ---------------------------------------------------------------------------
