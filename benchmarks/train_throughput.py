@@ -120,7 +120,7 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
     from dflashpipe.drafter.distributed import data_parallel, gather, init_dist, sharded_adamw
     from dflashpipe.drafter.features import trim_unused_layers
     from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
-    from dflashpipe.drafter.step import resolve_setup, setup_attention, train_step
+    from dflashpipe.drafter.step import apply_compile_mode, resolve_setup, train_step
     from dflashpipe.drafter.train import TrainConfig, resolve_device
 
     cuda = a.device.startswith("cuda")
@@ -137,13 +137,13 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
     cfg = TrainConfig(num_layers=a.layers, block_size=bs, num_anchors=N, batch_size=world, compile=a.compile)
     setup = resolve_setup(cfg, str(dev), mask_id, dcfg.target_layer_ids, world)  # one sequence per GPU
     dropped = trim_unused_layers(target, dcfg.target_layer_ids)
-    setup_attention(setup)  # on the flex path: dense flex_attention calls raise
     mem = {}
     if cuda:
         torch.cuda.empty_cache()
         mem["target_gib"] = torch.cuda.memory_allocated() / GIB
     torch.manual_seed(0)
     drafter = DFlashDrafter(dcfg).to(dev).train()  # fp32 master weights, as the pipeline
+    apply_compile_mode(setup, drafter)  # on the flex path: dense flex_attention calls raise
     model = data_parallel(drafter)
     if a.optimizer == "zero":
         opt = sharded_adamw(model, 6e-4, 0.0, dev)

@@ -59,3 +59,14 @@ def test_training_stage_sees_the_drafter_model_code():
     assert {"drafter/train.py", "drafter/step.py", "drafter/model.py", "drafter/loss.py", "drafter/masks.py",
             "drafter/launch.py", "hotstart.py", "lease.py"} <= got
     assert not any(n.startswith("evaluate/") for n in got)
+
+
+def test_warm_fingerprint_and_run_identity_cover_the_drafter_model():
+    """The step receives the drafter, it does not import it: the model file must be listed anyway,
+    or an edit to the drafter would neither rerun the warm chain nor retrain."""
+    from dflashpipe.hotstart import train_step_code_files
+
+    got = names(train_step_code_files())
+    assert {"drafter/model.py", "drafter/step.py", "drafter/loss.py", "drafter/features.py", "drafter/masks.py",
+            "drafter/data.py", "drafter/train.py"} <= got
+    assert "tracking.py" not in got and not any(n.startswith("evaluate/") for n in got)

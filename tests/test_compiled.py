@@ -13,22 +13,19 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from dflashpipe.drafter import features, loss, model
-from dflashpipe.drafter.features import context_features, trim_unused_layers
-from dflashpipe.drafter.loss import decayed_ce
+from dflashpipe.drafter import loss, model
+from dflashpipe.drafter.features import compiled_target_layer, context_features, trim_unused_layers
+from dflashpipe.drafter.loss import compiled_chunk_ce, decayed_ce
 from dflashpipe.drafter.masks import block_position_ids, dense_mask, sample_anchors
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
-def eager_afterwards():
+def fresh_dynamo():
     torch._dynamo.reset()
     counters.clear()
     yield
-    model.use_eager_layers()
-    features.use_compiled_target_layers(False)
-    loss.use_compiled_ce(False)
     torch._dynamo.reset()
 
 
@@ -51,7 +48,9 @@ def test_compiled_drafter_layers_match_eager_and_share_one_graph():
         return out.detach(), [p.grad.clone() for p in drafter.parameters()]
 
     ref, ref_grads = run()
-    model.use_compiled_layers(dynamic=False)
+    other = model.DFlashDrafter(cfg)  # the mode belongs to the instance: another drafter stays eager
+    drafter.set_compile_mode("layers")
+    assert other.layer_fn is model._block_layer and drafter.layer_fn is not model._block_layer
     out, grads = run()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     for a, b in zip(grads, ref_grads):
@@ -66,15 +65,14 @@ def test_compiled_loss_chunks_match_eager_with_a_padded_last_chunk():
     labels, weights = torch.randint(0, 40, (2, 11)), torch.rand(2, 11)
     weights[0, :2] = 0
 
-    def run():
+    def run(ce):
         h = hidden.clone().requires_grad_()
-        value, acc = decayed_ce(h, W, labels, weights, chunk_size=8)  # 20 rows: chunks 8, 8, 4 (padded)
+        value, acc = decayed_ce(h, W, labels, weights, chunk_size=8, ce=ce)  # 20 rows: chunks 8, 8, 4 (padded)
         value.backward()
         return value.detach(), acc, h.grad
 
-    ref = run()
-    loss.use_compiled_ce()
-    got = run()
+    ref = run(loss.EAGER_CE)
+    got = run(compiled_chunk_ce())
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1  # the padded last chunk reuses the graph
@@ -86,10 +84,10 @@ def test_compiled_target_layers_and_trimming_keep_the_features(micro_target):
     target, _ = load_target(str(micro_target))
     ids = torch.randint(5, target.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     ref = context_features(target, ids, None, [0, 1])  # eager; equal to HF's hidden_states (test_train)
-    features.use_compiled_target_layers()
-    torch.testing.assert_close(context_features(target, ids, None, [0, 1]), ref, atol=1e-5, rtol=1e-5)
+    compiled = compiled_target_layer()
+    torch.testing.assert_close(context_features(target, ids, None, [0, 1], layer_fn=compiled), ref, atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1  # both layers share one graph
     # the deepest tap is layer 0: layer 1 is dropped, and layer 0 stays pre-norm
     assert trim_unused_layers(target, [0]) == 1 and len(target.model.layers) == 1
-    torch.testing.assert_close(context_features(target, ids, None, [0]), ref[..., : target.config.hidden_size],
+    torch.testing.assert_close(context_features(target, ids, None, [0], layer_fn=compiled), ref[..., : target.config.hidden_size],
                                atol=1e-5, rtol=1e-5)

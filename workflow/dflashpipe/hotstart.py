@@ -31,7 +31,8 @@ from dflashpipe.errors import UserError
 # everything they import, plus the training loop itself (drafter/train.py, not its imports:
 # checkpointing, export and held-out figures change no weight). Also the code part of a
 # training run's identity (drafter/checkpoint.py).
-TRAIN_STEP_MODULES = ["drafter.step", "drafter.data", "drafter.distributed"]
+#: the step, its data and exchange, and the drafter it runs (the step receives the model; it does not import it)
+TRAIN_STEP_MODULES = ["drafter.step", "drafter.data", "drafter.distributed", "drafter.model"]
 TRAIN_LOOP_FILE = "drafter/train.py"
 
 
@@ -236,7 +237,7 @@ def hot_start(stamp_path: str, device: str):
     Given the shard's compile signature it checks the slot's stamp (one line
     naming the stale part otherwise) and returns the guard that checks the
     counters after priming. (Dense flex_attention is forbidden earlier, by
-    ``setup_attention``, for every flex user: shards, warm jobs, benchmarks.)
+    ``apply_compile_mode``, for every flex user: shards, warm jobs, benchmarks.)
     Compile-free runs (CPU SDPA) are checked against the stamp too, but have no
     counters to prove.
     """

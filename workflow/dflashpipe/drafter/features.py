@@ -36,13 +36,10 @@ def _run_layer(layer, x, mask, position_ids, position_embeddings):
     return out[0] if isinstance(out, tuple) else out  # older transformers return (hidden, ...)
 
 
-#: How the fast path runs one target layer: eager, or one compiled graph shared
-#: by all layers (see :func:`use_compiled_target_layers`).
-TARGET_LAYER_FN = _run_layer
+def compiled_target_layer():
+    """The target's decoder layer as one compiled graph for all layers (norms, RoPE, SwiGLU fused).
 
-
-def use_compiled_target_layers(enabled: bool = True) -> None:
-    """Compile the target's decoder layer once for all layers (norms, RoPE, SwiGLU fused).
+    Pass it as ``layer_fn`` to :func:`context_features`.
 
     The target forward is a third of a drafter training step at Qwen3-8B
     shapes; eager HF layers spend a quarter of it in unfused elementwise kernels.
@@ -50,8 +47,7 @@ def use_compiled_target_layers(enabled: bool = True) -> None:
     transformers' output-capturing hooks break this graph in pieces; training
     never makes such a call.)
     """
-    global TARGET_LAYER_FN
-    TARGET_LAYER_FN = torch.compile(_run_layer, dynamic=False) if enabled else _run_layer
+    return torch.compile(_run_layer, dynamic=False)
 
 
 def has_standard_layout(target) -> bool:
@@ -93,7 +89,7 @@ def _layer_masks(inner, embeds, attention_mask, position_ids):
 
 
 @torch.no_grad()
-def _fast_features(target, input_ids, attention_mask, layer_ids):
+def _fast_features(target, input_ids, attention_mask, layer_ids, layer_fn):
     inner = target.model
     B, S = input_ids.shape
     x = inner.embed_tokens(input_ids)
@@ -106,7 +102,7 @@ def _fast_features(target, input_ids, attention_mask, layer_ids):
     wanted, last_layer = set(layer_ids), inner.config.num_hidden_layers - 1
     out = {}
     for i in range(max(layer_ids) + 1):
-        x = TARGET_LAYER_FN(inner.layers[i], x, masks[types[i]], position_ids, position_embeddings)
+        x = layer_fn(inner.layers[i], x, masks[types[i]], position_ids, position_embeddings)
         if i in wanted:
             out[i] = inner.norm(x) if i == last_layer else x  # HF: hidden_states[L] is post-norm
     return torch.cat([out[i] for i in layer_ids], dim=-1)
@@ -140,11 +136,12 @@ def _hf_features(target, input_ids, attention_mask, layer_ids):
 
 
 @torch.no_grad()
-def context_features(target, input_ids, attention_mask, layer_ids, path: str = "auto") -> torch.Tensor:
+def context_features(target, input_ids, attention_mask, layer_ids, path: str = "auto", layer_fn=None) -> torch.Tensor:
     """[B, S] token ids -> [B, S, len(layer_ids) * H] features (see module docstring).
 
     ``path``: "auto" (fast when the layout allows, else HF), "fast" (error if
-    impossible) or "hf" (always ``output_hidden_states``).
+    impossible) or "hf" (always ``output_hidden_states``). ``layer_fn``: how the
+    fast path runs a layer (eager by default; :func:`compiled_target_layer`).
     """
     layer_ids = [int(i) for i in layer_ids]
     if not layer_ids:
@@ -152,7 +149,7 @@ def context_features(target, input_ids, attention_mask, layer_ids, path: str = "
     if path not in ("auto", "fast", "hf"):
         raise ValueError(f"context_features: path must be auto, fast or hf, got {path!r}")
     if path != "hf" and has_standard_layout(target):
-        feats = _fast_features(target, input_ids, attention_mask, layer_ids)
+        feats = _fast_features(target, input_ids, attention_mask, layer_ids, layer_fn or _run_layer)
         if feats is not None:
             return feats
     if path == "fast":

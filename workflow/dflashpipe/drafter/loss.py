@@ -14,6 +14,9 @@ logits. Positions with zero weight are dropped before the LM head.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 
@@ -23,7 +26,7 @@ def _chunk_stats(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor, need_gr
     logits [c, V] in the LM head's dtype, y [c] long, w [c] fp32; the math runs in
     fp32 and the gradient comes back in the logits' dtype (fp32 with
     ``fp32_grad``, for accumulating an LM-head weight gradient). Compiled (see
-    :func:`use_compiled_ce`), this is one or two fused passes over the logits
+    :func:`compiled_chunk_ce`), this is one or two fused passes over the logits
     instead of a dozen eager kernels each reading or writing a [c, V] fp32 tensor.
     """
     x = logits.float()
@@ -38,24 +41,29 @@ def _chunk_stats(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor, need_gr
     return loss_sum, correct, g if fp32_grad else g.to(logits.dtype)
 
 
-#: How a chunk is reduced; ``COMPILED_CE`` pads the last chunk to the chunk size
-#: so that every chunk has one shape (one graph, no recompiles).
-CHUNK_STATS = _chunk_stats
-COMPILED_CE = False
+@dataclass(frozen=True)
+class ChunkCE:
+    """How a chunk is reduced: ``fn`` (eager or compiled :func:`_chunk_stats`); with
+    ``static_shape`` the last chunk is padded with weight-0 rows to the chunk size, so
+    every chunk has one shape (one compiled graph, no recompiles)."""
+
+    fn: Callable = _chunk_stats
+    static_shape: bool = False
 
 
-def use_compiled_ce(enabled: bool = True) -> None:
-    """Compile the per-chunk CE (static shape: the last chunk is padded with weight-0 rows)."""
-    global CHUNK_STATS, COMPILED_CE
-    CHUNK_STATS = torch.compile(_chunk_stats, dynamic=False) if enabled else _chunk_stats
-    COMPILED_CE = enabled
+EAGER_CE = ChunkCE()
+
+
+def compiled_chunk_ce() -> ChunkCE:
+    """The per-chunk CE compiled, at one static chunk shape."""
+    return ChunkCE(torch.compile(_chunk_stats, dynamic=False), static_shape=True)
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
-    """(h [M, H], W [V, H], labels [M], w [M] float, chunk) -> (sum_i w_i*CE_i, sum_i w_i*[argmax_i == label_i])."""
+    """(h [M, H], W [V, H], labels [M], w [M] float, chunk, ChunkCE) -> (sum_i w_i*CE_i, sum_i w_i*[argmax_i == label_i])."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, w, chunk_size):
+    def forward(ctx, h, weight, labels, w, chunk_size, ce):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss_sum = torch.zeros((), dtype=torch.float32, device=h.device)
         correct = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -65,12 +73,12 @@ class _ChunkedLinearCE(torch.autograd.Function):
             hc = h[s : s + chunk_size].to(weight.dtype)  # the LM head runs in its own dtype
             yc, wc = labels[s : s + chunk_size], w[s : s + chunk_size].float()
             n = hc.shape[0]
-            if COMPILED_CE and n < chunk_size:  # one static shape for the compiled chunk
+            if ce.static_shape and n < chunk_size:  # one static shape for the compiled chunk
                 pad = chunk_size - n
                 hc = torch.cat([hc, hc.new_zeros(pad, hc.shape[1])])
                 yc, wc = torch.cat([yc, yc.new_zeros(pad)]), torch.cat([wc, wc.new_zeros(pad)])
             logits = hc @ weight.t()  # [c, V]
-            lsum, csum, g = CHUNK_STATS(logits, yc, wc, need_h or need_w, need_w)
+            lsum, csum, g = ce.fn(logits, yc, wc, need_h or need_w, need_w)
             loss_sum += lsum
             correct += csum
             del logits
@@ -96,7 +104,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
             gh = grad_h * grad_loss.to(grad_h.dtype)
         if need_w:
             gw = (saved.pop(0) * grad_loss).to(ctx.w_dtype)
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None
 
 
 def decayed_ce(
@@ -106,6 +114,7 @@ def decayed_ce(
     weights: torch.Tensor,
     chunk_size: int = 1024,
     reduction: str = "mean",
+    ce: ChunkCE = EAGER_CE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted-mean CE and weighted top-1 accuracy of the drafter's predictions.
 
@@ -119,7 +128,8 @@ def decayed_ce(
 
     ``reduction="sum"`` returns the weighted SUMS (sum w*CE, sum w*correct)
     instead; data-parallel training divides them by the all-reduced weight sum
-    so the loss is normalised over the global batch.
+    so the loss is normalised over the global batch. ``ce``: how a chunk is
+    reduced (eager by default; :func:`compiled_chunk_ce`).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"decayed_ce: reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -132,7 +142,7 @@ def decayed_ce(
     if idx.numel() == 0:
         zero = (hidden.sum() * 0.0).float()
         return zero, zero.detach()
-    loss_sum, correct = _ChunkedLinearCE.apply(h[idx], lm_head_weight, y[idx], w[idx], int(chunk_size))
+    loss_sum, correct = _ChunkedLinearCE.apply(h[idx], lm_head_weight, y[idx], w[idx], int(chunk_size), ce)
     if reduction == "sum":
         return loss_sum, correct
     return loss_sum / total, correct / total

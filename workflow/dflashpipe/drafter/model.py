@@ -40,26 +40,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from dflashpipe.errors import UserError
 
 # ---------------------------------------------------------------------------
-# flex_attention handle
+# How the training forward runs (a property of each drafter: see DFlashDrafter.set_compile_mode)
 # ---------------------------------------------------------------------------
-
-#: The flex_attention callable used by the drafter. Eager by default so CPU
-#: forward works without compiling; on GPU call :func:`use_compiled_flex_attention`
-#: (or assign any callable with flex_attention's signature) before training.
-FLEX_ATTENTION = flex_attention
-
-
-def set_flex_attention(fn) -> None:
-    """Swap the flex_attention callable (e.g. a pre-compiled one)."""
-    global FLEX_ATTENTION
-    FLEX_ATTENTION = fn
-
-
-def use_compiled_flex_attention(**compile_kwargs):
-    """Set the handle to ``torch.compile(flex_attention, **compile_kwargs)`` and return it."""
-    fn = torch.compile(flex_attention, **compile_kwargs)
-    set_flex_attention(fn)
-    return fn
 
 
 def _block_layer(layer, h, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, attn):
@@ -68,30 +50,9 @@ def _block_layer(layer, h, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, attn):
     return layer(h, ctx_k, ctx_v, blk_cos, blk_sin, attn)
 
 
-#: How the training forward runs one layer: eager by default, or one compiled
-#: graph shared by all layers (see :func:`use_compiled_layers`).
-LAYER_FN = _block_layer
-
-
-def use_compiled_layers(**compile_kwargs):
-    """Compile the training forward per layer ("regional" compile), flex_attention inside.
-
-    The layers are identical in structure, so all of them share ONE graph (per
-    shape and grad mode); Inductor fuses the RMSNorms, RoPE and SwiGLU and its
-    partitioner saves fewer activations for the backward than eager does. The
-    flex handle is reset to the raw op, which Dynamo traces into the graph.
-    """
-    global LAYER_FN
-    set_flex_attention(flex_attention)
-    LAYER_FN = torch.compile(_block_layer, **compile_kwargs)
-    return LAYER_FN
-
-
-def use_eager_layers() -> None:
-    """Back to eager layers and eager flex_attention (switching modes within one process)."""
-    global LAYER_FN
-    LAYER_FN = _block_layer
-    set_flex_attention(flex_attention)
+#: ``layers``: each layer one compiled graph, shared by all layers, flex_attention traced inside;
+#: ``flex``: only flex_attention compiled; ``none``: eager (the default; CPU/SDPA training).
+COMPILE_MODES = ("layers", "flex", "none")
 
 
 # ---------------------------------------------------------------------------
@@ -307,6 +268,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, H, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.flex_fn = flex_attention  # eager, or compiled: DFlashDrafter.set_compile_mode
 
     def project_kv(self, x: torch.Tensor, cos, sin):
         """Keys/values of x [B, T, H] -> k, v [B, Hkv, T, D]; k_norm then RoPE on k.
@@ -331,7 +293,7 @@ class Attention(nn.Module):
         v = torch.cat([ctx_v, blk_v], dim=2)
         groups = self.n_heads // self.n_kv
         if isinstance(attn, BlockMask):
-            out = FLEX_ATTENTION(q, k, v, block_mask=attn, enable_gqa=groups > 1)
+            out = self.flex_fn(q, k, v, block_mask=attn, enable_gqa=groups > 1)
         elif attn is None:
             out = F.scaled_dot_product_attention(q, _repeat_kv(k, groups), _repeat_kv(v, groups))
         else:
@@ -423,6 +385,26 @@ class DFlashDrafter(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, mean=0.0, std=self.INIT_STD)
+        self.compile_mode = "none"
+        self.layer_fn = _block_layer  # how forward() runs one layer
+
+    def set_compile_mode(self, mode: str) -> None:
+        """How the training forward runs (one of :data:`COMPILE_MODES`); inference stays eager.
+
+        ``layers`` ("regional" compile): the layers are identical in structure,
+        so all of them share ONE compiled graph (per shape and grad mode), with
+        flex_attention traced inside; Inductor fuses the RMSNorms, RoPE and
+        SwiGLU and saves fewer activations for the backward than eager does.
+        ``flex``: eager layers calling a compiled flex_attention. ``none``: eager.
+        Shapes are static (``dynamic=False``): one graph per length bucket.
+        """
+        if mode not in COMPILE_MODES:
+            raise ValueError(f"compile mode must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+        flex = torch.compile(flex_attention, dynamic=False) if mode == "flex" else flex_attention
+        for layer in self.layers:
+            layer.self_attn.flex_fn = flex
+        self.layer_fn = torch.compile(_block_layer, dynamic=False) if mode == "layers" else _block_layer
+        self.compile_mode = mode
 
     def _rope(self, position_ids, dtype):
         return rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, dtype)
@@ -445,7 +427,7 @@ class DFlashDrafter(nn.Module):
         blk_cos, blk_sin = cos[:, :, S:], sin[:, :, S:]
         h = block_embeds
         for layer in self.layers:
-            h = LAYER_FN(layer, h, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, attn)
+            h = self.layer_fn(layer, h, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, attn)
         return self.norm(h)
 
     # -- inference ----------------------------------------------------------

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -23,15 +24,19 @@ from dflashpipe.errors import UserError
 
 from .data import PRIME_SALT, make_batch, sample_seed
 from .distributed import all_reduce_
-from .features import context_features, use_compiled_target_layers
-from .loss import decayed_ce, use_compiled_ce
+from .features import compiled_target_layer, context_features
+from .loss import EAGER_CE, ChunkCE, compiled_chunk_ce, decayed_ce
 from .masks import block_mask, block_position_ids, build_block_inputs, default_gamma, dense_mask
-from .model import use_compiled_flex_attention, use_compiled_layers, use_eager_layers
 
 
 @dataclass
 class Setup:
-    """Everything a step needs besides the models: resolved from TrainConfig + target + device + K."""
+    """Everything a step needs besides the models: resolved from TrainConfig + target + device + K.
+
+    How the step's hot functions run is part of it: ``target_layer`` and ``chunk_ce``
+    (compiled with ``compile: layers`` on the flex path, eager otherwise); the drafter
+    carries its own mode (:func:`apply_compile_mode`). Nothing is switched module-wide.
+    """
 
     device: torch.device
     attention: str  # "flex" | "sdpa"
@@ -46,6 +51,8 @@ class Setup:
     loss_chunk_size: int
     grad_clip: float
     rank_batch: int  # sequences per rank per step: train.batch_size / K
+    target_layer: Callable | None = field(default=None, repr=False)  # None: eager target layers
+    chunk_ce: ChunkCE = field(default=EAGER_CE, repr=False)
 
 
 def resolve_setup(cfg, device: str, mask_token_id: int, layer_ids: list[int], world_size: int = 1) -> Setup:
@@ -61,10 +68,12 @@ def resolve_setup(cfg, device: str, mask_token_id: int, layer_ids: list[int], wo
             f"train.batch_size ({cfg.batch_size}) is the global batch of a step, split over {world_size} shards; "
             "make it a multiple of train.shards"
         )
+    compile_mode = cfg.compile if attention == "flex" else "none"
+    layers = compile_mode == "layers"
     return Setup(
         device=dev,
         attention=attention,
-        compile=cfg.compile if attention == "flex" else "none",
+        compile=compile_mode,
         autocast_dtype=torch.bfloat16 if bf16 else None,
         target_dtype=torch.bfloat16 if bf16 else torch.float32,
         block_size=cfg.block_size,
@@ -75,14 +84,16 @@ def resolve_setup(cfg, device: str, mask_token_id: int, layer_ids: list[int], wo
         loss_chunk_size=cfg.loss_chunk_size,
         grad_clip=cfg.grad_clip,
         rank_batch=cfg.batch_size // world_size,
+        target_layer=compiled_target_layer() if layers else None,  # torch.compile is lazy: nothing compiles here
+        chunk_ce=compiled_chunk_ce() if layers else EAGER_CE,
     )
 
 
-def setup_attention(setup: Setup) -> None:
-    """Install how a shard runs its layers on the flex (CUDA) path; SDPA (CPU) runs eager.
+def apply_compile_mode(setup: Setup, drafter) -> None:
+    """Give the drafter the setup's compile mode; on the flex (CUDA) path, guard the compiled path.
 
     ``layers``: the drafter's layers (flex_attention inside), the target's
-    layers and the loss chunks are compiled graphs, one each shared by all
+    layers and the loss chunks run as compiled graphs, one each shared by all
     layers (norms, RoPE, SwiGLU, softmax-CE fused); ``flex``: only
     flex_attention is compiled; ``none``: nothing is. On the flex path any
     dense (uncompiled) flex_attention call is an error, whatever the mode: with
@@ -97,19 +108,10 @@ def setup_attention(setup: Setup) -> None:
     """
     from dflashpipe.hotstart import forbid_dense_flex
 
-    use_eager_layers()
-    use_compiled_target_layers(False)
-    use_compiled_ce(False)
-    if setup.attention != "flex":
-        return
-    forbid_dense_flex()
-    torch._dynamo.config.optimize_ddp = False
-    if setup.compile == "layers":
-        use_compiled_layers(dynamic=False)
-        use_compiled_target_layers()
-        use_compiled_ce()
-    elif setup.compile == "flex":
-        use_compiled_flex_attention(dynamic=False)
+    drafter.set_compile_mode(setup.compile)
+    if setup.attention == "flex":
+        forbid_dense_flex()
+        torch._dynamo.config.optimize_ddp = False
 
 
 def lr_at(step: int, total_steps: int, cfg) -> float:
@@ -137,7 +139,7 @@ def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
     S, bs = batch.input_ids.shape[1], setup.block_size
     with torch.no_grad():
         # Right padding: real tokens never see the pad after them, so no attention mask.
-        target_hidden = context_features(target, batch.input_ids, None, setup.layer_ids)
+        target_hidden = context_features(target, batch.input_ids, None, setup.layer_ids, layer_fn=setup.target_layer)
         block_ids, labels, weights = build_block_inputs(
             batch.input_ids, batch.loss_mask, batch.anchors, batch.keep, bs, setup.mask_token_id, setup.gamma
         )
@@ -156,7 +158,8 @@ def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
     with autocast:
         hidden = model(block_embeds, target_hidden, position_ids, attn)
     lm_head = target.get_output_embeddings().weight
-    ce_sum, correct = decayed_ce(hidden, lm_head, labels, weights, setup.loss_chunk_size, reduction="sum")
+    ce_sum, correct = decayed_ce(hidden, lm_head, labels, weights, setup.loss_chunk_size, reduction="sum",
+                                 ce=setup.chunk_ce)
     mark("drafter_forward")
     return ce_sum, correct, weights.sum()
 

@@ -45,7 +45,7 @@ from .export import save_drafter
 from .features import trim_unused_layers
 from .heldout import heldout_loss
 from .model import DFlashDrafter, DrafterConfig
-from .step import compile_signature, lr_at, prime_buckets, resolve_setup, setup_attention, train_step
+from .step import apply_compile_mode, compile_signature, lr_at, prime_buckets, resolve_setup, train_step
 
 # ---------------------------------------------------------------------------
 # Config
@@ -114,9 +114,9 @@ def build(cfg: TrainConfig, target_dir: str, dev: torch.device, world_size: int)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
-    setup_attention(setup)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dcfg).to(dev).train()  # fp32 master weights
+    apply_compile_mode(setup, drafter)
     return target, dcfg, setup, drafter, pad_id
 
 
