@@ -33,6 +33,6 @@ include: "workflow/rules/plots.smk"
 
 
 rule all:
-    input:
-        all_outputs(),
     default_target: True
+    input:
+        pipeline.all_outputs(),

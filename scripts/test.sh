@@ -1,8 +1,18 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh) and run the CI test suite offline, on 1 torch thread.
+# Set up (scripts/setup.sh) and run the CI checks offline, on 1 torch thread: the workflow's
+# conventions first (snakemake --lint, snakefmt --check, the default graph plans), then pytest.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m slow` for the end-to-end runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python -m pytest -q -rs -p no:cacheprovider "$@"
+PATH="$PWD/.venv/bin:$PATH"
+
+echo "== snakemake --lint"
+snakemake --lint # exits 1 on any finding
+echo "== snakefmt --check ."
+snakefmt --check . # exits 1 when a file would be reformatted, 123 on a parse error
+echo "== snakemake -n (default config)"
+plan=$(snakemake -n --quiet all 2>&1) || { echo "$plan"; exit 1; }
+
+exec python -m pytest -q -rs -p no:cacheprovider "$@"

@@ -14,7 +14,10 @@ def set_threads(n: int) -> None:
     """Torch CPU threads (and the BLAS pools) for this process; configurable per rule."""
     os.environ["OMP_NUM_THREADS"] = str(n)
     os.environ["MKL_NUM_THREADS"] = str(n)
-    import torch
+    try:
+        import torch
+    except ImportError:  # the stages without a model run in an environment without torch
+        return
 
     torch.set_num_threads(n)
 

@@ -1,48 +1,52 @@
-if "assisted" in config["evaluate"]["methods"]:
+if pipeline.evaluates_assisted():
 
     rule ar_draft:
         """A 1-layer autoregressive draft with the target's tokenizer: the assisted-generation peer."""
-        conda:
-            "../../envs/dflash.yaml"
         input:
-            tokenized=TOKENIZED,
-            target=target_dir(),
-            code=lib_code("ar_draft.py"),
+            tokenized=paths.tokenized,
+            target=pipeline.target_dir(),
+            code=pipeline.lib_code("ar_draft.py"),
         output:
-            directory(f"{R}/ar_draft"),
-        params:
-            cfg=result_params(config, "ar_draft"),
-            seed=config["seed"],
+            directory(paths.ar_draft),
+        log:
+            paths.log("ar_draft", "ar_draft"),
+        benchmark:
+            paths.benchmark("ar_draft")
+        conda:
+            "../../envs/torch.yaml"
         threads: config["ar_draft"]["threads"]
         resources:
             gpu=1,
-        log:
-            f"{R}/logs/ar_draft/ar_draft.log",
+        params:
+            cfg=pipeline.result_params("ar_draft"),
+            seed=config["seed"],
         script:
             "../scripts/ar_draft.py"
 
 
 rule evaluate:
     """DFlash speculative decoding vs. AR and peers on one held-out dataset; lossless check."""
-    conda:
-        "../../envs/dflash.yaml"
     input:
-        target=target_dir(),
-        drafter=DRAFTER,
-        prompts=prompts_file("{dataset}"),
-        ar_draft=ar_draft_dir(),
-        code=lib_code("evaluate.py"),
+        target=pipeline.target_dir(),
+        drafter=paths.drafter,
+        prompts=paths.prompts(),
+        ar_draft=pipeline.ar_draft_dir(),
+        code=pipeline.lib_code("evaluate.py"),
     output:
-        samples=f"{R}/eval/{{dataset}}.samples.parquet",
-        summary=eval_summary("{dataset}"),
-    params:
-        cfg=result_params(config, "evaluate"),
-        seed=config["seed"],
-        chat_template_kwargs=canonical(config["expand"]["chat_template_kwargs"]),
+        samples=paths.eval_samples(),
+        summary=paths.eval_summary(),
+    log:
+        paths.log("evaluate", "{dataset}"),
+    benchmark:
+        paths.benchmark("evaluate_{dataset}")
+    conda:
+        "../../envs/torch.yaml"
     threads: config["evaluate"]["threads"]
     resources:
         gpu=1,
-    log:
-        f"{R}/logs/evaluate/{{dataset}}.log",
+    params:
+        cfg=pipeline.result_params("evaluate"),
+        seed=config["seed"],
+        chat_template_kwargs=pipeline.chat_template_kwargs(),
     script:
         "../scripts/evaluate.py"

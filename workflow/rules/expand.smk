@@ -1,39 +1,41 @@
 rule expand_shard:
     """The target regenerates the replies of one shard of a training dataset (resumable)."""
-    conda:
-        "../../envs/dflash.yaml"
     input:
-        prompts=prompts_file("{dataset}"),
-        target=target_dir(),
-        code=lib_code("expand.py"),
+        prompts=paths.prompts(),
+        target=pipeline.target_dir(),
+        code=pipeline.lib_code("expand.py"),
     output:
-        f"{R}/expanded/{{dataset}}/shard{{shard}}.parquet",
-    params:
-        settings=result_params(config, "expand"),
-        n_shards=config["expand"]["shards"],
-        seed=config["seed"] if config["expand"]["temperature"] > 0 else 0,  # greedy: no rerun on a new seed
+        paths.expanded_shard(),
+    log:
+        paths.log("expand", "{dataset}.shard{shard}"),
+    benchmark:
+        paths.benchmark("expand_{dataset}.shard{shard}")
+    wildcard_constraints:
+        shard=r"\d+",
+    conda:
+        "../../envs/torch.yaml"
     threads: config["expand"]["threads"]
     resources:
         gpu=1,
-    log:
-        f"{R}/logs/expand/{{dataset}}.shard{{shard}}.log",
-    wildcard_constraints:
-        shard=r"\d+",
+    params:
+        settings=pipeline.result_params("expand"),
+        n_shards=config["expand"]["shards"],
+        seed=pipeline.expand_seed(),
     script:
         "../scripts/expand.py"
 
 
 rule merge_expanded:
     """One parquet per dataset from its expansion shards."""
-    conda:
-        "../../envs/dflash.yaml"
     input:
-        shards=expanded_shards,
-        code=lib_code("merge_expanded.py"),
+        shards=pipeline.expanded_shards,
+        code=pipeline.lib_code("merge_expanded.py"),
     output:
-        f"{R}/expanded/{{dataset}}.parquet",
-    threads: config["threads"]
+        paths.expanded(),
     log:
-        f"{R}/logs/expand/{{dataset}}.merge.log",
+        paths.log("expand", "{dataset}.merge"),
+    conda:
+        "../../envs/torch.yaml"
+    threads: config["threads"]
     script:
         "../scripts/merge_expanded.py"

@@ -1,46 +1,70 @@
 rule tables:
     """CSV tables of the run: evaluation per dataset and method, acceptance, training, compile times."""
-    conda:
-        "../../envs/dflash.yaml"
     input:
-        eval=[eval_summary(d) for d in datasets_for("eval")],
-        metrics=TRAIN_METRICS,
-        train_summary=TRAIN_SUMMARY,
-        stamps=all_stamps(),
-        code=lib_code("tables.py"),
+        eval=pipeline.eval_summaries(),
+        metrics=paths.train_metrics,
+        train_summary=paths.train_summary,
+        stamps=pipeline.all_stamps(),
+        code=pipeline.lib_code("tables.py"),
     output:
-        eval=f"{R}/tables/eval.csv",
-        positions=f"{R}/tables/per_position_acceptance.csv",
-        histogram=f"{R}/tables/acceptance_histogram.csv",
-        training=f"{R}/tables/training.csv",
-        compile=f"{R}/tables/compile.csv",
-    params:
-        datasets=datasets_for("eval"),
+        eval=paths.table("eval"),
+        positions=paths.table("positions"),
+        histogram=paths.table("histogram"),
+        training=paths.table("training"),
+        compile=paths.table("compile"),
     log:
-        f"{R}/logs/plots/tables.log",
+        paths.log("plots", "tables"),
+    conda:
+        "../../envs/light.yaml"
+    params:
+        datasets=pipeline.datasets_for("eval"),
     script:
         "../scripts/tables.py"
 
 
 rule plots:
     """PNG figures (results/plots/), each with a caption in the Snakemake report."""
-    conda:
-        "../../envs/dflash.yaml"
     input:
-        eval=f"{R}/tables/eval.csv",
-        positions=f"{R}/tables/per_position_acceptance.csv",
-        histogram=f"{R}/tables/acceptance_histogram.csv",
-        training=f"{R}/tables/training.csv",
-        compile=f"{R}/tables/compile.csv",
-        code=lib_code("plots.py"),
+        eval=paths.table("eval"),
+        positions=paths.table("positions"),
+        histogram=paths.table("histogram"),
+        training=paths.table("training"),
+        compile=paths.table("compile"),
+        code=pipeline.lib_code("plots.py"),
     output:
-        tau=report(f"{R}/plots/tau_speedup.png", caption="../report/tau_speedup.rst", category="Evaluation"),
-        positions=report(f"{R}/plots/per_position_acceptance.png", caption="../report/per_position.rst", category="Evaluation"),
-        histogram=report(f"{R}/plots/acceptance_histogram.png", caption="../report/histogram.rst", category="Evaluation"),
-        loss=report(f"{R}/plots/training_loss_acc.png", caption="../report/training.rst", category="Training"),
-        tokens=report(f"{R}/plots/training_tokens_per_s.png", caption="../report/throughput.rst", category="Training"),
-        compile=report(f"{R}/plots/compile_cold_vs_hot.png", caption="../report/compile.rst", category="Training"),
+        tau=report(
+            paths.plot("tau"),
+            caption="../report/tau_speedup.rst",
+            category="Evaluation",
+        ),
+        positions=report(
+            paths.plot("positions"),
+            caption="../report/per_position.rst",
+            category="Evaluation",
+        ),
+        histogram=report(
+            paths.plot("histogram"),
+            caption="../report/histogram.rst",
+            category="Evaluation",
+        ),
+        loss=report(
+            paths.plot("loss"),
+            caption="../report/training.rst",
+            category="Training",
+        ),
+        tokens=report(
+            paths.plot("tokens"),
+            caption="../report/throughput.rst",
+            category="Training",
+        ),
+        compile=report(
+            paths.plot("compile"),
+            caption="../report/compile.rst",
+            category="Training",
+        ),
     log:
-        f"{R}/logs/plots/plots.log",
+        paths.log("plots", "plots"),
+    conda:
+        "../../envs/light.yaml"
     script:
         "../scripts/plots.py"

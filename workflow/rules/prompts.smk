@@ -1,18 +1,18 @@
 rule prompts:
     """Load one configured dataset (local file or HF name) into the normal prompt table."""
-    conda:
-        "../../envs/dflash.yaml"
     input:
-        data=dataset_file,
-        code=lib_code("prompts.py"),
+        data=pipeline.dataset_file,
+        code=pipeline.lib_code("prompts.py"),
     output:
-        prompts_file("{dataset}"),
-    params:
-        spec=dataset_spec,
-    threads: config["threads"]
+        paths.prompts(),
     log:
-        f"{R}/logs/prompts/{{dataset}}.log",
+        paths.log("prompts", "{dataset}"),
     wildcard_constraints:
         dataset="[A-Za-z0-9_.-]+",
+    conda:
+        "../../envs/light.yaml"
+    threads: config["threads"]
+    params:
+        spec=pipeline.dataset_spec,
     script:
         "../scripts/prompts.py"

@@ -1,21 +1,23 @@
-if config["target"]["path"] is None:
+if pipeline.builds_tiny_target:
 
     rule tiny_target:
         """Train the embedded default target: a tiny Qwen3 on the shipped chats."""
-        conda:
-            "../../envs/dflash.yaml"
         input:
-            train=[prompts_file(n) for n in config["target"]["tiny"]["train_datasets"]],
-            heldout=prompts_file(config["target"]["tiny"]["heldout_dataset"]),
-            code=lib_code("tiny_target.py"),
+            **pipeline.tiny_target_prompts(),
+            code=pipeline.lib_code("tiny_target.py"),
         output:
-            model=directory(f"{R}/target/model"),
-            metrics=f"{R}/target/metrics.json",
-        params:
-            cfg=result_params(config, "target.tiny"),  # threads and the max_minutes safety stop: read at run time
-            seed=config["seed"],
-        threads: config["target"]["tiny"]["threads"]
+            model=directory(paths.target_model),
+            metrics=paths.target_metrics,
         log:
-            f"{R}/logs/target/tiny_target.log",
+            paths.log("target", "tiny_target"),
+        benchmark:
+            paths.benchmark("tiny_target")
+        conda:
+            "../../envs/torch.yaml"
+        threads: config["target"]["tiny"]["threads"]
+        params:
+            # threads and the max_minutes safety stop: read at run time
+            cfg=pipeline.result_params("target.tiny"),
+            seed=config["seed"],
         script:
             "../scripts/tiny_target.py"

@@ -1,27 +1,27 @@
 rule warm_slot:
     """Compile on GPU slot i alone, into its own cache, exactly what a shard runs; write a stamp."""
-    conda:
-        "../../envs/dflash.yaml"
     input:
-        previous=previous_stamp,
-        tokenized=TOKENIZED,
-        target=target_dir(),
-        code=lib_code("warm.py"),
+        previous=pipeline.previous_stamp,
+        tokenized=paths.tokenized,
+        target=pipeline.target_dir(),
+        code=pipeline.lib_code("warm.py"),
     output:
-        warm_stamp("{slot}"),
-    params:
-        compile=compile_settings(),
-        seed=config["seed"],
-        torch=torch_version(),
-        cache_root=CACHE_ROOT,
+        paths.warm_stamp(),
+    log:
+        paths.log("warm", "slot{slot}"),
+    benchmark:
+        paths.benchmark("warm_slot{slot}")
+    wildcard_constraints:
+        slot=r"\d+",
+    conda:
+        "../../envs/torch.yaml"
     threads: config["train"]["threads"]
     resources:
         gpu=1,
-    log:
-        f"{R}/logs/warm/slot{{slot}}.log",
-    benchmark:
-        f"{R}/benchmarks/warm_slot{{slot}}.tsv"
-    wildcard_constraints:
-        slot=r"\d+",
+    params:
+        compile=pipeline.compile_settings(),
+        seed=config["seed"],
+        torch=pipeline.torch_version(),
+        cache_root=paths.compile_cache,
     script:
         "../scripts/warm.py"

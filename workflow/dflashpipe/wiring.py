@@ -1,0 +1,242 @@
+"""The Snakemake workflow's wiring: every path the rules write, and what the rules pass on.
+
+``Paths`` names each output, log and benchmark file once; ``Pipeline`` binds a
+prepared config to the rules' input functions and params builders. The rule
+files (``workflow/rules/*.smk``) only refer to these by name, so a file name is
+spelled in exactly one place.
+
+Only ``workflow/rules/common.smk`` imports this module; no stage script does.
+The code-change trigger (``codedeps``) follows the stage scripts' imports, so an
+edit here reruns no stage: a changed path or param shows up in the plan itself.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from pathlib import Path
+
+from dflashpipe.codedeps import script_closure
+from dflashpipe.config import canonical, compile_keys, result_params
+
+
+class Paths:
+    """Every file and folder the pipeline writes, under the results directory.
+
+    Methods with wildcard arguments default to the wildcard itself (``"{dataset}"``),
+    so ``paths.prompts()`` is a rule's output pattern and ``paths.prompts("math")``
+    one concrete file.
+    """
+
+    # Table and figure files by the name the rules use for them (named outputs).
+    TABLES = {
+        "eval": "eval.csv",
+        "positions": "per_position_acceptance.csv",
+        "histogram": "acceptance_histogram.csv",
+        "training": "training.csv",
+        "compile": "compile.csv",
+    }
+    PLOTS = {
+        "tau": "tau_speedup.png",
+        "positions": "per_position_acceptance.png",
+        "histogram": "acceptance_histogram.png",
+        "loss": "training_loss_acc.png",
+        "tokens": "training_tokens_per_s.png",
+        "compile": "compile_cold_vs_hot.png",
+    }
+
+    def __init__(self, results: str):
+        r = self.results = results
+        # the tiny default target (trained when no target.path is configured)
+        self.target_model = f"{r}/target/model"
+        self.target_metrics = f"{r}/target/metrics.json"
+        # tokenized training data (one datasets dataset) and its statistics
+        self.tokenized = f"{r}/tokenized/train"
+        self.tokenized_stats = f"{r}/tokenized/stats.json"
+        # compile caches of the warm chain, one folder per GPU slot inside
+        self.compile_cache = f"{r}/compile_cache"
+        # the training run: one job writes them all, for any number of shards
+        self.train_summary = f"{r}/train/summary.json"
+        self.train_metrics = f"{r}/train/metrics.csv"
+        self.drafter = f"{r}/drafter"
+        # the assisted-generation peer's draft model
+        self.ar_draft = f"{r}/ar_draft"
+
+    # -- stage outputs ----------------------------------------------------------
+    def prompts(self, dataset: str = "{dataset}") -> str:
+        return f"{self.results}/prompts/{dataset}.parquet"
+
+    def expanded_shard(self, dataset: str = "{dataset}", shard="{shard}") -> str:
+        return f"{self.results}/expanded/{dataset}/shard{shard}.parquet"
+
+    def expanded(self, dataset: str = "{dataset}") -> str:
+        return f"{self.results}/expanded/{dataset}.parquet"
+
+    def warm_stamp(self, slot="{slot}") -> str:
+        return f"{self.results}/warm/slot{slot}.json"
+
+    def eval_samples(self, dataset: str = "{dataset}") -> str:
+        return f"{self.results}/eval/{dataset}.samples.parquet"
+
+    def eval_summary(self, dataset: str = "{dataset}") -> str:
+        return f"{self.results}/eval/{dataset}.summary.json"
+
+    def table(self, name: str) -> str:
+        return f"{self.results}/tables/{self.TABLES[name]}"
+
+    def plot(self, name: str) -> str:
+        return f"{self.results}/plots/{self.PLOTS[name]}"
+
+    # -- logs ---------------------------------------------------------------------
+    def log(self, stage: str, name: str) -> str:
+        """``logs/<stage>/<name>.log``: one folder per stage."""
+        return f"{self.results}/logs/{stage}/{name}.log"
+
+    # -- benchmarks (Snakemake's per-job wall time, memory and I/O) -----------------
+    def benchmark(self, name: str) -> str:
+        return f"{self.results}/benchmarks/{name}.tsv"
+
+
+class Pipeline:
+    """A prepared (validated, defaults filled) config, seen from the rules."""
+
+    def __init__(self, config: dict, repo: str | os.PathLike):
+        self.config = config
+        self.repo = Path(repo)
+        self.lib = self.repo / "workflow" / "dflashpipe"
+        self.scripts = self.repo / "workflow" / "scripts"
+        self.paths = Paths(config["results"])
+        self.slots = config["gpu"]["slots"]
+        self.shards = config["train"]["shards"]
+
+    # -- checks at DAG time ---------------------------------------------------------
+    def gpu_problem(self, gpu_budget) -> str | None:
+        """Why the GPU settings cannot work (None when they can); ``gpu_budget`` is ``--resources gpu``."""
+        if self.shards > self.slots:
+            return (
+                f"train.shards is {self.shards} but gpu.slots is {self.slots}: every shard needs its own GPU slot "
+                "(and warm stamp); raise gpu.slots or lower train.shards"
+            )
+        if isinstance(gpu_budget, int) and gpu_budget < self.shards:
+            return (
+                f"train.shards is {self.shards} but --resources gpu={gpu_budget}: the training job runs its "
+                f"{self.shards} shards at once, one GPU each; use --resources gpu={self.shards} or more, "
+                "or lower train.shards"
+            )
+        return None
+
+    # -- code inputs ------------------------------------------------------------------
+    def lib_code(self, script: str) -> list[str]:
+        """Library source files the stage's script imports (transitively): edits to them rerun the stage."""
+        return script_closure(self.lib, self.scripts / script)
+
+    # -- datasets ---------------------------------------------------------------------
+    def repo_path(self, p: str) -> str:
+        """A config path: absolute, or relative to the working directory, else to the repository."""
+        if os.path.isabs(p) or os.path.exists(p):
+            return p
+        return str(self.repo / p)
+
+    def datasets_for(self, use: str) -> list[str]:
+        return [name for name, spec in self.config["datasets"].items() if spec["use"] == use]
+
+    def dataset_file(self, wildcards) -> list[str]:
+        """Input function: the dataset's local file (none for a Hugging Face dataset)."""
+        spec = self.config["datasets"][wildcards.dataset]
+        return [self.repo_path(spec["path"])] if spec.get("path") else []
+
+    def dataset_spec(self, wildcards) -> dict:
+        """Params function: the dataset's config entry, its path resolved."""
+        spec = dict(self.config["datasets"][wildcards.dataset])
+        if spec.get("path"):
+            spec["path"] = self.repo_path(spec["path"])
+        return spec
+
+    # -- target and its training data ---------------------------------------------------
+    @property
+    def builds_tiny_target(self) -> bool:
+        return self.config["target"]["path"] is None
+
+    def target_dir(self) -> str:
+        """The target model directory: the configured checkpoint, or the tiny default."""
+        if not self.builds_tiny_target:
+            return self.config["target"]["path"]
+        return self.paths.target_model
+
+    def tiny_target_prompts(self) -> dict:
+        tiny = self.config["target"]["tiny"]
+        return {
+            "train": [self.paths.prompts(n) for n in tiny["train_datasets"]],
+            "heldout": self.paths.prompts(tiny["heldout_dataset"]),
+        }
+
+    def expanded_shards(self, wildcards) -> list[str]:
+        """Input function: the expansion shards of one dataset."""
+        n = self.config["expand"]["shards"]
+        return [self.paths.expanded_shard(wildcards.dataset, i) for i in range(n)]
+
+    def expanded_train(self) -> list[str]:
+        return [self.paths.expanded(n) for n in self.datasets_for("train")]
+
+    # -- params -------------------------------------------------------------------------
+    def result_params(self, section: str) -> dict:
+        """The result-changing keys of a config section (operational ones are read at run time)."""
+        return result_params(self.config, section)
+
+    def expand_seed(self) -> int:
+        """Sampling seed of the expansion; greedy decoding ignores it, so a new seed reruns nothing."""
+        return self.config["seed"] if self.config["expand"]["temperature"] > 0 else 0
+
+    def chat_template_kwargs(self) -> dict:
+        return canonical(self.config["expand"]["chat_template_kwargs"])
+
+    def compile_settings(self) -> dict:
+        """The config that decides compiled code (the warm jobs' params: other keys do not rerun them)."""
+        train = self.config["train"]
+        return {"drafter": self.result_params("drafter"), "train": {k: train[k] for k in sorted(compile_keys())}}
+
+    @staticmethod
+    def torch_version() -> str:
+        """Installed torch (without importing it): a new torch invalidates the compile caches."""
+        return importlib.metadata.version("torch")
+
+    # -- GPU slots, warm chain, training ---------------------------------------------------
+    def previous_stamp(self, wildcards) -> list[str]:
+        """Input function: warm_slot{i} waits for warm_slot{i-1}, so no two compiles ever overlap."""
+        slot = int(wildcards.slot)
+        return [self.paths.warm_stamp(slot - 1)] if slot > 0 else []
+
+    def all_stamps(self) -> list[str]:
+        return [self.paths.warm_stamp(i) for i in range(self.slots)]
+
+    @staticmethod
+    def run_dir(wildcards, output) -> str:
+        """Params function: the training run's folder, the one its summary is written to."""
+        return os.path.dirname(output.summary)
+
+    def train_rank_logs(self) -> list[str]:
+        return [self.paths.log("train", f"rank{k}") for k in range(self.shards)]
+
+    # -- evaluation -------------------------------------------------------------------------
+    def evaluates_assisted(self) -> bool:
+        return "assisted" in self.config["evaluate"]["methods"]
+
+    def ar_draft_dir(self) -> list[str]:
+        """The assisted-generation peer's draft model, when that peer is evaluated."""
+        return [self.paths.ar_draft] if self.evaluates_assisted() else []
+
+    def eval_summaries(self) -> list[str]:
+        return [self.paths.eval_summary(d) for d in self.datasets_for("eval")]
+
+    # -- the default target ---------------------------------------------------------------
+    def all_outputs(self) -> list[str]:
+        p = self.paths
+        out = [p.prompts(name) for name in self.config["datasets"]]
+        if self.builds_tiny_target:
+            out.append(p.target_metrics)
+        out += [p.tokenized, p.tokenized_stats]
+        out += self.all_stamps()
+        out += [p.train_summary, p.train_metrics, p.drafter]
+        out += self.eval_summaries()
+        out += [p.plot("tau")]
+        return out
