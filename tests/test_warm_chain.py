@@ -102,12 +102,16 @@ def test_operational_settings_rerun_nothing(mini_run):
             elif sub.get("x-operational") and not sub.get("x-compile"):
                 old = values.get(key, sub.get("default"))
                 types = sub["type"] if isinstance(sub["type"], list) else [sub["type"]]
-                values[key] = old + 1 if "integer" in types else (old * 2 if "number" in types else str(work / "elsewhere"))
+                if "boolean" in types:  # flipping wandb on reruns nothing either (it is checked when training starts)
+                    values[key] = not old
+                else:
+                    values[key] = old + 1 if "integer" in types else (old * 2 if "number" in types else str(work / "elsewhere"))
                 changed.append(".".join(path + [key]))
 
     walk(load_schema(), cfg, [])
     cfg["expand"] = dict(reversed(list(cfg["expand"].items())))  # the order a user writes keys in changes nothing
-    assert {"threads", "target.tiny.max_minutes", "train.eval_every", "gpu.lock_dir", "ar_draft.threads"} <= set(changed)
+    assert {"threads", "target.tiny.max_minutes", "train.eval_every", "gpu.lock_dir", "ar_draft.threads",
+            "train.tensorboard", "train.wandb"} <= set(changed)
     assert planned_rules(work, "--configfile", str(write_config(work / "ops.yaml", cfg))) == {}
 
 

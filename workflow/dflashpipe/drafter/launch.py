@@ -135,11 +135,13 @@ def run_training(*, world_size: int, threads_per_rank: int, cfg: dict, tokenized
     ``gpu_config`` the config's ``gpu`` section plus ``results`` (for the leases).
     """
     from dflashpipe.lease import lease_for_job
+    from dflashpipe.tracking import check_available
 
     from .checkpoint import checkpoint_dir, mark_complete, run_identity
     from .distributed import rendezvous_url
     from .train import TrainConfig
 
+    check_available(TrainConfig(**cfg))  # a tracker asked for but not installed: one line before any lease
     identity = run_identity(TrainConfig(**cfg), tokenized, target)  # once: every rank keys the same run
     ckpt = checkpoint_dir(run_dir, identity)
     spec = {

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from dflashpipe.atomic import write_json
 from dflashpipe.errors import UserError
 from dflashpipe.faults import failpoint
+from dflashpipe.tracking import Tracker, check_available
 
 from .checkpoint import MetricsHistory, load_checkpoint, run_identity, save_checkpoint, start_run
 from .data import TRAIN_SALT, epoch_batches, heldout_split, make_batch, rank_slice, sample_seed
@@ -43,7 +44,7 @@ from .distributed import (
 )
 from .export import save_drafter
 from .features import trim_unused_layers
-from .heldout import heldout_loss
+from .heldout import heldout_figures, heldout_loss
 from .model import DFlashDrafter, DrafterConfig
 from .step import apply_compile_mode, compile_signature, lr_at, prime_buckets, resolve_setup, train_step
 
@@ -76,6 +77,9 @@ class TrainConfig:
     compile: str = "layers"  # flex path (CUDA): layers | flex (flex_attention alone) | none (guard stops it)
     dtype: str = "auto"  # auto: bf16 autocast on CUDA with fp32 master weights; fp32 on CPU
     dist_timeout_s: float = 600.0
+    tensorboard: bool = True  # experiment tracking (dflashpipe.tracking; operational: not in the run identity)
+    wandb: bool = False
+    wandb_project: str = "dflash-drafter"
 
     @classmethod
     def from_sections(cls, drafter: dict, train: dict, seed: int = 0) -> "TrainConfig":
@@ -163,6 +167,7 @@ def train_rank(cfg: TrainConfig, tokenized_dir: str, target_dir: str, ckpt_dir: 
     forbids compiles from then on. ``identity``: the run identity the launcher keyed
     ``ckpt_dir`` with (computed here if not given).
     """
+    check_available(cfg)  # a tracker asked for but not installed: one line before anything starts
     dev = resolve_device(device)
     t_start = time.time()
     init_dist(init_method, rank, world_size, dev, cfg.dist_timeout_s)
@@ -235,6 +240,7 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
 
     # -- the loop ------------------------------------------------------------------
     history = MetricsHistory(ckpt_dir, start_step, writer=rank == 0, log=log)
+    tracker = Tracker(cfg, ckpt_dir, identity, start_step, enabled=rank == 0, log=log)  # TensorBoard / W&B
     bar = tqdm(total=total_steps, initial=start_step, desc=f"train rank {rank}/{K}", mininterval=5)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -261,6 +267,7 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
             if first_step_seconds is None:
                 first_step_seconds, t_first_done = dt, time.time()
                 log(f"first step done in {dt:.2f}s (attention={setup.attention})")
+                tracker.log_start(step, hot, dt, t_first_done - t_start)
             step_times.append(dt)
             step_tokens.append(out["tokens"])
             last.update(loss=out["loss"], acc=out["acc"])
@@ -268,15 +275,20 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
                    "acc": f"{out['acc']:.6f}", "lr": f"{lr:.6g}", "grad_norm": f"{out['grad_norm']:.6g}",
                    "tokens_per_s": f"{out['tokens'] / dt:.1f}", "tokens_per_s_per_gpu": f"{out['tokens'] / dt / K:.1f}",
                    "step_seconds": f"{dt:.4f}", "peak_mem_mb": f"{peak_mem_mb(dev):.1f}"}
+            by_position = None
             if step == total_steps or (cfg.eval_every and step % cfg.eval_every == 0):
-                hl, ha = heldout_loss(drafter, target, ds, heldout_idx, buckets, setup, cfg.seed, pad_id, rank, K)
+                held = heldout_figures(drafter, target, ds, heldout_idx, buckets, setup, cfg.seed, pad_id, rank, K,
+                                       by_position=cfg.tensorboard or cfg.wandb)
+                hl, ha, by_position = held["loss"], held["acc"], held["acc_by_position"]
                 last.update(heldout_loss=hl, heldout_acc=ha)
                 row.update(heldout_loss="" if hl is None else f"{hl:.6f}", heldout_acc="" if ha is None else f"{ha:.6f}")
                 log(f"step {step}: loss {out['loss']:.4f} acc {out['acc']:.4f} held-out loss {hl} acc {ha}")
             history.write(row)
+            tracker.log_step(row, by_position)
             if step % cfg.checkpoint_every == 0 or step == total_steps:
                 optimizer_state = full_optimizer_state(opt)  # a collective: every rank takes part
                 history.sync()
+                tracker.flush()
                 if rank == 0:
                     path = save_checkpoint(ckpt_dir, step, drafter.state_dict(), optimizer_state, identity, last)
                     log(f"checkpoint step {step}: {path.name}")
@@ -286,6 +298,7 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
     finally:
         bar.close()
         history.close()
+        tracker.close()
 
     if first_step_seconds is None:  # resumed at the very end (e.g. the export failed): recompute the held-out figures
         hl, ha = heldout_loss(drafter, target, ds, heldout_idx, buckets, setup, cfg.seed, pad_id, rank, K)
