@@ -76,7 +76,9 @@ def test_config_json_layout(saved):
     assert d["block_size"] == 4
     assert d["num_target_layers"] == 6
     assert d["rope_theta"] == 250000.0
-    assert d["dflash_config"] == {"mask_token_id": V - 1, "target_layer_ids": cfg.target_layer_ids}
+    assert d["dflash_config"] == {"block_size": 4, "mask_token_id": V - 1, "target_layer_ids": cfg.target_layer_ids}
+    assert d["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
+    assert d["layer_types"] == ["full_attention"] * 2 and d["use_sliding_window"] is False
     assert cfg.target_layer_ids == [1, 3]  # default: spread over 1..L-3 with n = drafter layers
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings"):
@@ -105,6 +107,51 @@ def test_layout_equals_the_published_qwen3_8b_drafter():
     assert {k: list(v.shape) for k, v in model.state_dict().items()} == REFERENCE["safetensors"]
 
 
+PUBLISHED_CONFIG = json.loads((Path(__file__).parent / "fixtures/dflash_reference_config_qwen3_8b.json").read_text())
+
+
+def qwen3_8b_drafter_config_json() -> dict:
+    """The config.json this export writes for a Qwen3-8B target (shapes only: no weights are built)."""
+    from transformers import Qwen3Config
+
+    from dflashpipe.drafter.export import drafter_config_json
+
+    t, d = REFERENCE["target"], REFERENCE["drafter"]
+    tc = Qwen3Config(
+        **{k: v for k, v in t.items() if k != "model_type"},
+        max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        bos_token_id=151643,
+        eos_token_id=151645,
+    )
+    cfg = DrafterConfig.from_target_config(tc, d["num_hidden_layers"], d["block_size"], d["mask_token_id"])
+    return drafter_config_json(cfg, tc, torch.bfloat16)
+
+
+def test_config_json_equals_the_published_qwen3_8b_drafter():
+    """Key by key against z-lab/Qwen3-8B-DFlash-b16's config.json (as far as public copies verify it)."""
+    ours = qwen3_8b_drafter_config_json()
+    published = PUBLISHED_CONFIG["verified"]["config"]
+    for key, want in published.items():
+        if key == "dflash_config":
+            # ours nests block_size too (what SGLang reads first); every published key is equal
+            assert {k: ours[key][k] for k in want} == want, key
+            assert ours[key]["block_size"] == ours["block_size"] == 16
+        else:
+            assert ours[key] == want, key
+    family = PUBLISHED_CONFIG["family"]
+    replaced = set(family["keys_transformers_5_replaces"])
+    assert set(family["keys"]) - replaced <= set(ours), sorted(set(family["keys"]) - replaced - set(ours))
+    # what ours adds: transformers 5's rope_parameters (rope_theta stays at the top level) and a null pad id
+    assert set(ours) - set(family["keys"]) == {"rope_parameters", "pad_token_id"}
+    assert ours["rope_theta"] == ours["rope_parameters"]["rope_theta"] == 1000000.0
+    for key, want in family["target_independent"].items():
+        if key == "layer_types_each":
+            assert ours["layer_types"] == [want] * ours["num_hidden_layers"]
+        else:
+            assert ours[key] == want, key
+
+
 def test_safetensors_keys_exact(saved):
     _, cfg, out = saved
     with safe_open(out / "model.safetensors", "pt") as f:
@@ -117,6 +164,16 @@ def test_safetensors_keys_exact(saved):
     assert "fc.weight" in keys and shapes["fc.weight"] == (H, 2 * H)
     assert not any(k.startswith("model.") or "bias" in k or "embed" in k or "lm_head" in k for k in keys)
     assert all(t.is_floating_point() for t in load_file(out / "model.safetensors").values())
+
+
+def test_loads_block_size_and_target_layers_nested_in_dflash_config(saved):
+    """Newer published drafters (e.g. z-lab's Qwen3.5 ones) keep them only in dflash_config."""
+    _, cfg, out = saved
+    d = json.loads((out / "config.json").read_text())
+    d["dflash_config"]["num_target_layers"] = d.pop("num_target_layers")
+    del d["block_size"]
+    (out / "config.json").write_text(json.dumps(d))
+    assert load_drafter(out)[1] == cfg
 
 
 def test_save_bf16_and_load_dtype(tmp_path, saved):

@@ -20,6 +20,7 @@ METHOD_LABELS = {
     "hf_generate": "HF generate",
     "prompt_lookup": "prompt lookup",
     "assisted": "assisted (small AR draft)",
+    "hf_dflash": "transformers DFlash",
 }
 
 

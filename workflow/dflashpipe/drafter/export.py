@@ -3,10 +3,16 @@
 Directory:
 
 * ``config.json``: a Qwen3 config (``model_type: qwen3``,
-  ``architectures: ["DFlashDraftModel"]``, shapes, ``num_hidden_layers`` = drafter
-  layers) plus top-level ``block_size``, ``num_target_layers``, ``rope_theta``
-  (transformers 5 writes only ``rope_parameters``; older readers would silently
-  use theta 10000) and ``dflash_config: {mask_token_id, target_layer_ids}``.
+  ``architectures: ["DFlashDraftModel"]``, the ``auto_map`` z-lab's published
+  drafters carry (``AutoModel: dflash.DFlashDraftModel``; that remote-code file is
+  not shipped, so only engines that pick the class by ``architectures`` use it),
+  shapes, ``num_hidden_layers`` = drafter layers, ``layer_types`` all
+  ``full_attention``, ``max_window_layers`` = drafter layers) plus top-level
+  ``block_size``, ``num_target_layers``, ``rope_theta`` (transformers 5 writes only
+  ``rope_parameters``; older readers would silently use theta 10000) and
+  ``dflash_config: {block_size, mask_token_id, target_layer_ids}`` (SGLang reads
+  ``dflash_config`` first and falls back to the top level; newer published drafters
+  nest ``block_size`` there).
 * ``model.safetensors``: exactly the keys of
   :func:`dflashpipe.drafter.model.expected_state_shapes` (no ``model.`` prefix,
   no embedding / LM head, no biases), floating point.
@@ -29,6 +35,8 @@ from .model import DFlashDrafter, DrafterConfig, default_target_layer_ids, expec
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+#: as in z-lab's published DFlash drafters (e.g. z-lab/Qwen3-8B-DFlash-b16)
+AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 
 
 def drafter_config_json(cfg: DrafterConfig, target_config=None, dtype: torch.dtype | None = None) -> dict:
@@ -63,6 +71,7 @@ def drafter_config_json(cfg: DrafterConfig, target_config=None, dtype: torch.dty
         {
             "model_type": "qwen3",
             "architectures": ["DFlashDraftModel"],
+            "auto_map": dict(AUTO_MAP),
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.hidden_size,
             "intermediate_size": cfg.intermediate_size,
@@ -72,11 +81,19 @@ def drafter_config_json(cfg: DrafterConfig, target_config=None, dtype: torch.dty
             "head_dim": cfg.head_dim,
             "rms_norm_eps": cfg.rms_norm_eps,
             "max_position_embeddings": cfg.max_position_embeddings,
+            "layer_types": ["full_attention"] * cfg.num_hidden_layers,
+            "max_window_layers": cfg.num_hidden_layers,
+            "use_sliding_window": False,
+            "sliding_window": None,
             "rope_theta": float(cfg.rope_theta),
             "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
             "block_size": cfg.block_size,
             "num_target_layers": cfg.num_target_layers,
-            "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+            "dflash_config": {
+                "block_size": cfg.block_size,
+                "mask_token_id": cfg.mask_token_id,
+                "target_layer_ids": list(cfg.target_layer_ids),
+            },
         }
     )
     if dtype is not None:
@@ -146,7 +163,9 @@ def _cfg_from_json(d: dict, where: Path) -> DrafterConfig:
     if mask_token_id is None:
         raise UserError(f"{where}: missing key 'dflash_config.mask_token_id'")
     num_layers = int(need("num_hidden_layers"))
-    num_target_layers = int(need("num_target_layers"))
+    # top level (this export and z-lab's Qwen3 drafters) or nested (newer published drafters)
+    num_target_layers = int(d["num_target_layers"] if "num_target_layers" in d else dflash.get("num_target_layers") or need("num_target_layers"))
+    block_size = d["block_size"] if "block_size" in d else dflash.get("block_size") or need("block_size")
     ids = dflash.get("target_layer_ids", d.get("target_layer_ids"))
     if ids is None:
         ids = default_target_layer_ids(num_target_layers, num_layers)
@@ -163,7 +182,7 @@ def _cfg_from_json(d: dict, where: Path) -> DrafterConfig:
         rope_theta=float(theta),
         vocab_size=int(need("vocab_size")),
         max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
-        block_size=int(need("block_size")),
+        block_size=int(block_size),
         mask_token_id=int(mask_token_id),
         target_layer_ids=list(ids),
         num_target_layers=num_target_layers,

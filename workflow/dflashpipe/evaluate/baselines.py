@@ -11,6 +11,9 @@ Peers (all through transformers' ``model.generate``, batch size 1, DynamicCache)
   the assistant's ``generation_config`` values (transformers 5 defaults:
   ``num_assistant_tokens=20``, schedule ``"constant"``,
   ``assistant_confidence_threshold=0.4``) unless given.
+* ``hf_dflash``: transformers' own DFlash speculative generation with the
+  trained drafter (``assistant_model=<MuseGlimmerAssistantModel>,
+  speculation_type="dflash"``; transformers 5.15 and later).
 
 Decode-only timing: a streamer records when ``generate`` hands over tokens. Its
 first call is the prompt; the second carries the tokens of the FIRST target
@@ -197,6 +200,23 @@ def assisted_generate(
     if assistant_confidence_threshold is not None:
         gc.assistant_confidence_threshold = float(assistant_confidence_threshold)
     return hf_decode(target_model, tokenizer, prompt_ids, max_new_tokens, temperature, seed, eos_ids, assistant_model=assistant_model)
+
+
+def hf_dflash_generate(
+    target_model, tokenizer, assistant_model, prompt_ids, max_new_tokens, temperature=0.0, seed=0, eos_ids=None,
+) -> DecodeResult:
+    """transformers' own DFlash speculative generation (``speculation_type="dflash"``).
+
+    ``assistant_model``: a ``MuseGlimmerAssistantModel``, e.g. from
+    :func:`dflashpipe.drafter.hf_assistant.load_hf_assistant`. Each decode
+    forward of the target verifies one drafted block, so ``committed`` holds the
+    tokens per verify step (cut at the stop token / length limit, as this
+    harness counts them) and ``target_forwards`` the verify steps.
+    """
+    return hf_decode(
+        target_model, tokenizer, prompt_ids, max_new_tokens, temperature, seed, eos_ids,
+        assistant_model=assistant_model, speculation_type="dflash",
+    )
 
 
 def assistant_settings(assistant_model) -> dict:
