@@ -39,6 +39,20 @@ WEIGHTS_NAME = "model.safetensors"
 AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 
 
+def layer_shape_config(cfg: DrafterConfig) -> dict:
+    """The drafter's layer shapes as HF config keys (every exported config carries them)."""
+    return {
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+    }
+
+
 def drafter_config_json(cfg: DrafterConfig, target_config=None, dtype: torch.dtype | None = None) -> dict:
     """The config.json dict for ``cfg`` (see module docstring)."""
     from transformers import Qwen3Config
@@ -73,14 +87,7 @@ def drafter_config_json(cfg: DrafterConfig, target_config=None, dtype: torch.dty
             "architectures": ["DFlashDraftModel"],
             "auto_map": dict(AUTO_MAP),
             "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.hidden_size,
-            "intermediate_size": cfg.intermediate_size,
-            "num_hidden_layers": cfg.num_hidden_layers,
-            "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": cfg.num_key_value_heads,
-            "head_dim": cfg.head_dim,
-            "rms_norm_eps": cfg.rms_norm_eps,
-            "max_position_embeddings": cfg.max_position_embeddings,
+            **layer_shape_config(cfg),
             "layer_types": ["full_attention"] * cfg.num_hidden_layers,
             "max_window_layers": cfg.num_hidden_layers,
             "use_sliding_window": False,

@@ -33,7 +33,7 @@ import torch
 from dflashpipe.atomic import atomic_path
 from dflashpipe.errors import UserError
 
-from .export import CONFIG_NAME, WEIGHTS_NAME, load_drafter
+from .export import CONFIG_NAME, WEIGHTS_NAME, layer_shape_config, load_drafter
 from .model import DrafterConfig
 
 MODEL_TYPE = "muse_glimmer_assistant"
@@ -74,15 +74,8 @@ def assistant_config_dict(cfg: DrafterConfig, special_ids: dict | None = None, d
     d = {
         "model_type": MODEL_TYPE,
         "architectures": [ARCHITECTURE],
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "rms_norm_eps": cfg.rms_norm_eps,
+        **layer_shape_config(cfg),
         "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
-        "max_position_embeddings": cfg.max_position_embeddings,
         # full attention over the whole context, as trained; sliding_window is then unused
         "layer_types": ["full_attention"] * cfg.num_hidden_layers,
         "sliding_window": cfg.max_position_embeddings,
