@@ -106,6 +106,28 @@ def micro_target(tmp_path_factory) -> Path:
     return out / "model"
 
 
+@pytest.fixture(scope="session")
+def random_target(micro_target, tmp_path_factory) -> Path:
+    """The micro target's config and tokenizer with seeded random weights (std 0.5): its greedy replies
+    vary from token to token (the trained micro target mostly repeats one token)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("random_target") / "model"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(micro_target))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(micro_target).save_pretrained(out)
+    shutil.copy(micro_target / "generation_config.json", out / "generation_config.json")
+    return out
+
+
 def planned_rules(workdir: Path, *args: str) -> dict[str, int]:
     """Rules (and job counts) a dry run would execute: {} when nothing is to be done."""
     res = snakemake(workdir, *args, "-n", "--quiet", "rules")

@@ -101,6 +101,7 @@ def test_library_defaults_agree_with_the_schema():
     from dflashpipe.config import load_schema
     from dflashpipe.drafter.train import TrainConfig
     from dflashpipe.evaluate.ar_draft import ARDraftConfig
+    from dflashpipe.evaluate.run import EvalSettings
     from dflashpipe.expand import ExpandSettings
     from dflashpipe.tiny_target import TinyTargetConfig
 
@@ -114,7 +115,7 @@ def test_library_defaults_agree_with_the_schema():
 
     checked = 0
     for cls, path in [(TinyTargetConfig, "target.tiny"), (ExpandSettings, "expand"), (TrainConfig, "train"),
-                      (ARDraftConfig, "ar_draft")]:
+                      (ARDraftConfig, "ar_draft"), (EvalSettings, "evaluate")]:
         props = section(path)
         for f in dataclasses.fields(cls):
             if f.name in props and "default" in props[f.name]:

@@ -346,3 +346,70 @@ def test_evaluate_skips_unusable_prompts_and_keeps_a_failed_check(micro, micro_t
     pd.DataFrame({"id": ["e"], "prompt": [turns[1]], "reference": [None]}).to_parquet(tmp_path / "p.parquet")
     with pytest.raises(UserError, match=r"p.parquet: no prompt to evaluate \(1 rows; skipped \{'skipped_empty_prompt': 1\}\)"):
         run.evaluate_dataset(*args, max_new_tokens=6, methods=["dflash", "ar"], log=lambda m: None)
+
+
+@pytest.mark.parametrize("which", ["micro", "sharp"])
+def test_static_target_step_decodes_what_the_dynamic_one_does(which, request):
+    """The static-KV target step (CUDA graphs on a GPU; uncaptured here) gives the same greedy tokens,
+    the same accepted drafts per verify step, and the same logits as HF with a DynamicCache."""
+    from dflashpipe.evaluate.spec_decode import TargetRunner, drafter_runner, target_runner
+    from dflashpipe.evaluate.static_target import StaticTargetRunner
+
+    target, tok, drafter, cfg = request.getfixturevalue(which)
+    eos = eos_ids_of(tok, target)
+    static = StaticTargetRunner(target, cfg.target_layer_ids, capacity=256, graph_sizes=(1, BS))
+    draft = drafter_runner(drafter, static, "auto", capacity=256)  # one cache each, reused for every prompt
+    assert draft.mode == "static" and drafter_runner(drafter, TargetRunner(target)).mode == "eager"
+    assert static.mode == "static" and target_runner(target, "auto").mode == "dynamic"  # auto: compiled only on a GPU
+    assert target_runner(target, "static").mode == target_runner(target, "compiled").mode == "static"  # no graphs: no compile
+    ids = encode(tok, PROMPTS["p-apples"])
+    ref_logits, ref_feats = TargetRunner(target, cfg.target_layer_ids).forward(
+        TargetRunner(target).new_cache(), torch.tensor([ids]), 0, features=True)
+    logits, feats = static.forward(static.new_cache(), torch.tensor([ids]), 0, features=True)
+    tol = dict(atol=1e-9, rtol=1e-9) if which == "sharp" else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, ref_logits, **tol)
+    torch.testing.assert_close(feats, ref_feats, **tol)
+    for p in PROMPTS.values():
+        prompt = encode(tok, p)
+        a_dyn = ARDecoder(target, eos).generate(prompt, 24)
+        a_sta = ARDecoder(target, eos, runner=StaticTargetRunner(target, capacity=256)).generate(prompt, 24)
+        assert a_sta.tokens == a_dyn.tokens
+        d_dyn = DFlashDecoder(target, drafter, cfg, eos).generate(prompt, 24)
+        d_sta = DFlashDecoder(target, drafter, cfg, eos, runner=static, draft_runner=draft).generate(prompt, 24)
+        assert d_sta.tokens == d_dyn.tokens == a_dyn.tokens and d_sta.accepted == d_dyn.accepted
+
+
+def test_static_drafter_hides_rejected_positions_like_the_growing_cache(sharp):
+    """Blocks verified with 1..bs accepted positions: the static drafter (whole block written, the rejected
+    tail hidden, then overwritten) drafts exactly what the eager drafter with its growing cache drafts."""
+    from dflashpipe.evaluate.spec_decode import DrafterRunner
+    from dflashpipe.evaluate.static_drafter import StaticDrafterRunner
+
+    import copy
+
+    target, tok, drafter, cfg = sharp
+    drafter = copy.deepcopy(drafter)
+    with torch.no_grad():  # a drafter whose drafts depend on its context (the fixture's barely does)
+        for p in drafter.parameters():
+            if p.dim() >= 2:
+                p.mul_(50.0)
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    eager = DrafterRunner(drafter, embed, head, cfg.mask_token_id)
+    static = StaticDrafterRunner(drafter, embed, head, cfg.mask_token_id, capacity=64)
+    caches = eager.new_cache(), static.new_cache()
+    g = torch.Generator().manual_seed(0)
+    width = len(cfg.target_layer_ids) * cfg.hidden_size
+    prompt = torch.randn(1, 7, width, generator=g, dtype=torch.float64)
+    for runner, cache in zip((eager, static), caches):
+        runner.extend(cache, prompt, 0, 7)
+    n, drafts = 8, set()
+    for keep in (1, BS, 2, 3, 1, BS):
+        last = torch.randint(5, target.config.vocab_size, (1, 1), generator=g)
+        a, b = (runner.propose(cache, n, last) for runner, cache in zip((eager, static), caches))
+        assert a.tolist() == b.tolist()
+        drafts.add(tuple(a.tolist()))
+        feats = torch.randn(1, BS, width, generator=g, dtype=torch.float64)  # the verify's features of the block
+        for runner, cache in zip((eager, static), caches):
+            runner.extend(cache, feats, n - 1, keep)
+        n += keep
+    assert len(drafts) > 1  # the drafts depend on the context: a real comparison

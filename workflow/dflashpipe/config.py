@@ -161,6 +161,9 @@ def _check_references(config: dict, source: str) -> None:
     ex = config["expand"]
     if ex["num_samples"] > 1 and ex["temperature"] == 0:
         raise UserError(f"{source}: expand.num_samples is {ex['num_samples']} with temperature 0 (greedy samples are identical); set temperature > 0")
+    if ex["backend"] == "openai" and not ex["server"]["url"]:
+        raise UserError(f"{source}: expand.server.url: expand.backend is openai but no server url is set "
+                        "(e.g. http://127.0.0.1:8000/v1)")
     train = config["train"]
     if train["batch_size"] % train["shards"]:
         raise UserError(

@@ -7,6 +7,18 @@ directory next to the output, together with a ``settings.json`` describing
 everything that determines the generations. A killed job resumes from the
 chunks already written; a change of settings (target, prompts, sampling)
 discards them. The work directory is removed once the output is complete.
+
+Backends (``expand.backend``): ``embedded`` generates in this process with
+transformers ``generate`` (:func:`_generate_chunk`); ``batched`` in this process
+with continuous batching over a static KV cache and a CUDA-graph decode step
+(:mod:`dflashpipe.slot_decode`); ``auto`` is ``batched`` on a GPU where the
+target's layout allows it, else ``embedded``; ``openai`` sends the prompts
+to an OpenAI-compatible server the user runs (:mod:`dflashpipe.expand_openai`).
+Each backend is opened once per job by a function in :data:`BACKENDS` and
+returns a ``generate(rows, chunk_seed, progress) -> (records, new_tokens)``
+callable; the records have the same columns whatever the backend, among them
+``token_ids``: the ids the target generated for the reply (null when a server
+does not return them).
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ import torch
 from dflashpipe.atomic import atomic_path, write_json
 from dflashpipe.data import read_parquet, screen_prompt, target_context
 from dflashpipe.errors import UserError
+from dflashpipe.expand_openai import ServerSettings
 
 
 @dataclass
@@ -36,8 +49,11 @@ class ExpandSettings:
     chunk_size: int = 512
     seed: int = 0
     chat_template_kwargs: dict = field(default_factory=dict)
+    backend: str = "auto"  # auto | embedded | batched | openai (see BACKENDS)
 
     def check(self, where: str = "expand") -> None:
+        if self.backend not in BACKENDS:
+            raise UserError(f"{where}.backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
         if self.num_samples > 1 and self.temperature == 0:
             raise UserError(f"{where}.num_samples is {self.num_samples} but temperature is 0: greedy samples are identical; set temperature > 0 or num_samples: 1")
 
@@ -65,7 +81,7 @@ def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chu
     out = [
         {"id": rows["id"].iloc[i], "sample": j, "messages": [dict(t) for t in rows["prompt"].iloc[i]]
          + [{"role": "assistant", "content": ""}], "response": "", "num_prompt_tokens": lengths[i],
-         "num_new_tokens": 0, "finish_reason": reason}
+         "num_new_tokens": 0, "finish_reason": reason, "token_ids": []}
         for i, reason in enumerate(skip) if reason for j in range(s.num_samples)
     ]
     progress(sum(r is not None for r in skip), 0)
@@ -106,10 +122,161 @@ def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chu
                     "num_prompt_tokens": lengths[i],
                     "num_new_tokens": len(kept),
                     "finish_reason": "stop" if stop is not None else "length",
+                    "token_ids": kept,
                 }
             )
         progress(len(idx), new_tokens - tokens_before)
     return out, new_tokens
+
+
+def _end_ids(tokenizer, generation_config) -> set[int]:
+    """Every end token the target stops at (tokenizer and generation config), as the embedded backend uses."""
+    gen_eos = getattr(generation_config, "eos_token_id", None)
+    return {tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])} - {None}
+
+
+def _open_embedded(target_path: str, s: ExpandSettings, device: str, server: ServerSettings, log):
+    """The target in this process: batched ``generate`` with a KV cache (:func:`_generate_chunk`)."""
+    from dflashpipe.target import load_target
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model, tokenizer = load_target(target_path, device=device, dtype=dtype)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    def generate(rows, chunk_seed, progress):
+        return _generate_chunk(model, tokenizer, rows, s, chunk_seed, device, progress)
+
+    return generate
+
+
+def _chunk_prompts(tokenizer, rows: pd.DataFrame, s: ExpandSettings, context: int):
+    """Chat-templated prompt ids of a chunk's rows and the reason each is skipped (None: generate it)."""
+    ids = [tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True, **s.chat_template_kwargs)
+           for p in rows["prompt"]]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ids]
+    return ids, [screen_prompt(p, len(i), context, s.max_new_tokens) for p, i in zip(rows["prompt"], ids)]
+
+
+def _open_batched(target_path: str, s: ExpandSettings, device: str, server: ServerSettings, log):
+    """The target in this process, continuous batching over a static KV cache (:mod:`dflashpipe.slot_decode`)."""
+    from dflashpipe.slot_decode import SlotDecoder, kv_bytes_per_token, unsupported_reason
+    from dflashpipe.target import load_target
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model, tokenizer = load_target(target_path, device=device, dtype=dtype)
+    why = unsupported_reason(model)
+    if why:
+        raise UserError(f"expand.backend: batched cannot run {target_path}: {why}; use backend: embedded (or auto)")
+    end_ids, context = _end_ids(tokenizer, getattr(model, "generation_config", None)), target_context(model)
+    decoder = None
+
+    def generate(rows, chunk_seed, progress):
+        nonlocal decoder
+        ids, skip = _chunk_prompts(tokenizer, rows, s, context)
+        progress(sum(r is not None for r in skip), 0)
+        todo = [i for i, r in enumerate(skip) if not r]
+        requests = [i for i in todo for _ in range(s.num_samples)]
+        need = max((len(ids[i]) for i in todo), default=0) + s.max_new_tokens
+        if requests and (decoder is None or decoder.capacity < need):
+            capacity = -(-need // 256) * 256  # room for the longest prompt of this chunk, in steps of 256
+            slots = s.batch_size
+            if device.startswith("cuda"):  # the cache may take 85% of what is free
+                free = torch.cuda.mem_get_info()[0] - (0 if decoder is None else sum(t.numel() * t.element_size() for t in decoder.k + decoder.v))
+                decoder = None
+                slots = max(1, min(slots, int(0.85 * free) // (capacity * kv_bytes_per_token(model))))
+            decoder = SlotDecoder(model, slots, capacity)
+            log(f"batched decoding: {slots} rows x {capacity} positions of KV cache ({decoder.mode})")
+        results = decoder.generate([ids[i] for i in requests], s.max_new_tokens, end_ids, s.temperature, s.top_p,
+                                   chunk_seed, progress) if requests else []
+        out, new_tokens, sample = [], 0, {}
+        for i, reason in enumerate(skip):
+            if reason:
+                out += [_record(rows, i, j, len(ids[i]), "", [], reason) for j in range(s.num_samples)]
+        for i, (gen, finish) in zip(requests, results):
+            kept = gen[:-1] if finish == "stop" else gen
+            j = sample[i] = sample.get(i, -1) + 1
+            new_tokens += len(gen)
+            out.append(_record(rows, i, j, len(ids[i]), tokenizer.decode(kept, skip_special_tokens=True), kept, finish))
+        return out, new_tokens
+
+    return generate
+
+
+def _record(rows: pd.DataFrame, i: int, sample: int, prompt_tokens: int, response: str, token_ids: list[int],
+            finish_reason: str) -> dict:
+    """One expanded reply (the columns every backend writes)."""
+    return {"id": rows["id"].iloc[i], "sample": sample,
+            "messages": [dict(t) for t in rows["prompt"].iloc[i]] + [{"role": "assistant", "content": response}],
+            "response": response, "num_prompt_tokens": prompt_tokens, "num_new_tokens": len(token_ids),
+            "finish_reason": finish_reason, "token_ids": token_ids}
+
+
+def _open_auto(target_path: str, s: ExpandSettings, device: str, server: ServerSettings, log):
+    """``batched`` on a GPU when the target's layout allows it, else ``embedded``."""
+    from transformers import AutoConfig
+
+    from dflashpipe.slot_decode import unsupported_reason
+
+    why = unsupported_reason(type("M", (), {"config": AutoConfig.from_pretrained(target_path)})())
+    chosen = "batched" if device.startswith("cuda") and not why else "embedded"
+    log(f"expand.backend auto: {chosen}" + (f" ({why})" if why and device.startswith("cuda") else ""))
+    return BACKENDS[chosen](target_path, s, device, server, log)
+
+
+def _open_openai(target_path: str, s: ExpandSettings, device: str, server: ServerSettings, log):
+    """The target behind an OpenAI-compatible server (``expand.server``); only its tokenizer is loaded here."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, GenerationConfig
+
+    from dflashpipe.expand_openai import OpenAIBackend
+    from dflashpipe.target import load_tokenizer
+
+    tokenizer = load_tokenizer(target_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model_config = AutoConfig.from_pretrained(target_path)
+    try:
+        gen_config = GenerationConfig.from_pretrained(target_path)
+    except OSError:  # no generation_config.json: what transformers derives from config.json, as for the model
+        gen_config = GenerationConfig.from_model_config(model_config)
+    context = target_context(SimpleNamespace(config=model_config))
+    backend = OpenAIBackend(server, tokenizer, target_path, s, _end_ids(tokenizer, gen_config), log=log)
+    warned = False
+
+    def generate(rows, chunk_seed, progress):
+        nonlocal warned
+        texts = [tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True, **s.chat_template_kwargs)
+                 for p in rows["prompt"]]
+        lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+        skip = [screen_prompt(p, n, context, s.max_new_tokens) for p, n in zip(rows["prompt"], lengths)]
+        progress(sum(r is not None for r in skip), 0)
+        done = backend.generate_chunk(rows, lengths, [i for i, r in enumerate(skip) if not r], chunk_seed, progress)
+        out, new_tokens = [], 0
+        for i, reason in enumerate(skip):  # the row order of the embedded backend does not matter; this one is fixed
+            prompt = [dict(t) for t in rows["prompt"].iloc[i]]
+            for j in range(s.num_samples):
+                rec = ({"response": "", "num_new_tokens": 0, "finish_reason": reason, "token_ids": []} if reason
+                       else done[(i, j)])
+                new_tokens += rec["num_new_tokens"] + (rec["finish_reason"] == "stop")
+                out.append({"id": rows["id"].iloc[i], "sample": j,
+                            "messages": prompt + [{"role": "assistant", "content": rec["response"]}],
+                            "response": rec["response"], "num_prompt_tokens": lengths[i],
+                            "num_new_tokens": rec["num_new_tokens"], "finish_reason": rec["finish_reason"],
+                            "token_ids": rec["token_ids"]})
+        if backend.ids_missing and not warned:
+            warned = True
+            log(f"the server returns no generated token ids: token_ids is null for its replies "
+                "(tokenize re-tokenizes their text; tokenized/stats.json counts them)")
+        return out, new_tokens
+
+    return generate
+
+
+# expand.backend -> opener(target_path, settings, device, server, log) -> generate(rows, chunk_seed, progress)
+BACKENDS = {"auto": _open_auto, "embedded": _open_embedded, "batched": _open_batched, "openai": _open_openai}
 
 
 def expand_prompts(
@@ -121,12 +288,16 @@ def expand_prompts(
     n_shards: int = 1,
     device: str = "cpu",
     log=print,
+    server: ServerSettings | None = None,
 ) -> dict:
-    """Regenerate the responses of one shard of a prompts file; write parquet atomically."""
+    """Regenerate the responses of one shard of a prompts file; write parquet atomically.
+
+    ``server``: ``expand.server`` (used by the ``openai`` backend; operational, so not part of the
+    chunks' identity: a new url or concurrency resumes the finished chunks)."""
     from tqdm import tqdm
 
     from dflashpipe.data import read_prompts
-    from dflashpipe.target import load_target, target_fingerprint
+    from dflashpipe.target import target_fingerprint
 
     settings.check()
     prompts = shard_rows(read_prompts(prompts_path), shard, n_shards)
@@ -145,11 +316,7 @@ def expand_prompts(
     work.mkdir(parents=True, exist_ok=True)
     write_json(settings_file, identity)
 
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    model, tokenizer = load_target(target_path, device=device, dtype=dtype)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    generate = BACKENDS[settings.backend](target_path, settings, device, server or ServerSettings(), log)
 
     n_chunks = (len(prompts) + settings.chunk_size - 1) // settings.chunk_size
     for c in range(n_chunks):  # a damaged chunk (e.g. a disk fault) is made again, not read
@@ -178,8 +345,7 @@ def expand_prompts(
         chunk_file = work / f"chunk_{c:05d}.parquet"
         rows = prompts.iloc[c * settings.chunk_size : (c + 1) * settings.chunk_size]
         tc = time.time()
-        records, n_new = _generate_chunk(model, tokenizer, rows, settings, settings.seed * 1_000_003 + shard * 10_007 + c,
-                                         device, progress)
+        records, n_new = generate(rows, settings.seed * 1_000_003 + shard * 10_007 + c, progress)
         with atomic_path(chunk_file) as tmp:
             pd.DataFrame(records).to_parquet(tmp, index=False)
         log(f"chunk {c + 1}/{n_chunks}: {len(records)} responses, {n_new} tokens, {n_new / (time.time() - tc):.0f} tok/s")
@@ -201,6 +367,7 @@ def expand_prompts(
         "tokens_per_second": gen_tokens / seconds if seconds > 0 else None,
         "finish_reason": df["finish_reason"].value_counts().to_dict() if len(df) else {},
         "mean_new_tokens": float(df["num_new_tokens"].mean()) if len(df) else 0.0,
+        "replies_without_token_ids": int(df["token_ids"].isna().sum()) if "token_ids" in df else len(df),
     }
     log(f"expansion done: {summary}")
     return summary

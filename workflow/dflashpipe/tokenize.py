@@ -47,13 +47,27 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _reply_end(tokenizer, messages, full, kwargs) -> tuple[int, int]:
+    """(where the reply's own tokens end in ``full``, length of the open reply's rendering): what follows
+    the first is the template's closing of the turn."""
+    open_reply = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                    continue_final_message=True, **kwargs)["input_ids"])
+    return _common_prefix(open_reply, full), len(open_reply)
+
+
 def encode_chat(tokenizer, messages: list[dict], max_length: int, chat_template_kwargs: dict | None = None,
-                cut: bool = False):
+                cut: bool = False, reply_ids: list[int] | None = None, info: dict | None = None):
     """Return (input_ids, loss_mask, untruncated_length) for a chat ending in the assistant reply.
 
     ``cut``: the reply was cut at the length limit; the tokens the template adds
     after it (end of turn) get no loss. Raises ValueError if the template renders
     the open reply differently from the closed one (then it cannot be masked).
+    ``reply_ids``: the ids the target generated for the reply, if known; they
+    replace the re-tokenized reply when the two differ and the template renders
+    the reply text verbatim. ``info`` (a dict, optional) gets ``ids``: ``none``
+    (no generated ids), ``same``, ``generated`` (differed: the generated ids are
+    used) or ``retokenized`` (differed, but the template rewrites the reply: the
+    re-tokenized text is kept).
     """
     kwargs = chat_template_kwargs or {}
     if not messages or messages[-1]["role"] != "assistant":
@@ -61,14 +75,32 @@ def encode_chat(tokenizer, messages: list[dict], max_length: int, chat_template_
     prompt = _ids(tokenizer, messages[:-1], True, kwargs)
     full = _ids(tokenizer, messages, False, kwargs)
     start, end = _common_prefix(prompt, full), len(full)
-    if cut:
-        open_reply = list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                        continue_final_message=True, **kwargs)["input_ids"])
-        end = _common_prefix(open_reply, full)
+    outcome = "none"
+    if reply_ids is not None:
+        reply_ids = [int(t) for t in reply_ids]
+        outcome = "same" if full[start : start + len(reply_ids)] == reply_ids else "retokenized"
+        if outcome == "retokenized":
+            content = messages[-1]["content"]
+            try:
+                content_end, open_len = _reply_end(tokenizer, messages, full, kwargs)
+            except Exception:  # noqa: BLE001 - a template that cannot render an open reply: keep the text
+                content_end, open_len = -1, 0
+            verbatim = (content_end >= start and (not cut or content_end == open_len)
+                        and tokenizer.decode(full[start:content_end], skip_special_tokens=True) == content
+                        and tokenizer.decode(reply_ids, skip_special_tokens=True) == content)
+            if verbatim:
+                full = full[:start] + reply_ids + full[content_end:]
+                # a cut reply: the closing of the turn was never generated, so it gets no loss
+                end = start + len(reply_ids) if cut else len(full)
+                outcome = "generated"
+    if info is not None:
+        info["ids"] = outcome
+    if cut and outcome != "generated":
+        end, open_len = _reply_end(tokenizer, messages, full, kwargs)
         # the loss span must be the reply and nothing else (e.g. Qwen3 renders a reply cut inside its
         # thinking as an empty think block followed by the reply: that block was never generated)
         span = tokenizer.decode(full[start:end], skip_special_tokens=False)
-        if end < len(open_reply) or end <= start or "".join(span.split()) != "".join(messages[-1]["content"].split()):
+        if end < open_len or end <= start or "".join(span.split()) != "".join(messages[-1]["content"].split()):
             raise ValueError("the chat template renders a cut reply differently from a finished one")
     ids = full[:max_length]
     mask = [int(start <= i < end) for i in range(len(ids))]
@@ -104,6 +136,7 @@ def tokenize_expanded(
     if cut_replies not in ("mask_end", "drop"):
         raise UserError(f"tokenize.cut_replies: {cut_replies!r} is not one of mask_end, drop")
     records, dropped, truncated, cut_masked = [], Counter(), 0, 0
+    id_outcomes = Counter()  # encode_chat's info["ids"] per tokenized reply
     per_dataset = {}
     for name, path in expanded_paths.items():
         df = read_parquet(path)
@@ -121,11 +154,16 @@ def tokenize_expanded(
             if cut and cut_replies == "drop":
                 dropped["cut_reply"] += 1
                 continue
+            gen = getattr(row, "token_ids", None)  # absent (an older expansion) or null: the text only
+            gen = None if gen is None or isinstance(gen, float) else gen
+            info = {}
             try:
-                ids, mask, full_len = encode_chat(tokenizer, messages, max_length, chat_template_kwargs, cut=cut)
+                ids, mask, full_len = encode_chat(tokenizer, messages, max_length, chat_template_kwargs, cut=cut,
+                                                  reply_ids=None if gen is None else list(gen), info=info)
             except ValueError:
                 dropped["cut_reply_not_maskable"] += 1
                 continue
+            id_outcomes[info["ids"]] += 1
             truncated += full_len > max_length
             n_loss = sum(mask)
             if n_loss == 0 and len(ids) == max_length:
@@ -180,6 +218,15 @@ def tokenize_expanded(
         "cut_replies": {"rule": cut_replies, "kept_with_end_of_turn_out_of_the_loss": int(cut_masked),
                         "dropped": int(dropped["cut_reply"] + dropped["cut_reply_not_maskable"])},
         "chat_template_kwargs": dict(chat_template_kwargs or {}),
+        "generated_ids": {
+            "rule": "a reply whose re-tokenized text differs from the ids the target generated gets the generated "
+                    "ids when the chat template renders the reply verbatim; otherwise the re-tokenized text is kept",
+            "replies_with_ids": int(sum(v for k, v in id_outcomes.items() if k != "none")),
+            "replies_without_ids": int(id_outcomes["none"]),
+            "retokenized_differently": int(id_outcomes["generated"] + id_outcomes["retokenized"]),
+            "used_generated_ids": int(id_outcomes["generated"]),
+            "kept_retokenized_text": int(id_outcomes["retokenized"]),
+        },
         "min_loss_tokens": min_loss_tokens,
         "max_length": max_length,
         "buckets": {str(b): sum(r["bucket"] == b for r in records) for b in buckets},

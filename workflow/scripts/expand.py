@@ -1,19 +1,28 @@
 from dflashpipe.config import settings
 from dflashpipe.expand import ExpandSettings, expand_prompts
+from dflashpipe.expand_openai import ServerSettings
 from dflashpipe.lease import lease_for_job
 from dflashpipe.runtime import job
 
 with job(snakemake.log[0], threads=snakemake.threads, name=f"expand {snakemake.wildcards.dataset} shard {snakemake.wildcards.shard}") as log:
     p = snakemake.params
-    lease = lease_for_job(snakemake.config)  # any free GPU slot
-    log(f"leased slot {lease.slot}: device {lease.device}")
+    expand_settings = settings(ExpandSettings, p.settings, seed=p.seed)
+    server = settings(ServerSettings, snakemake.config["expand"]["server"])  # operational: read at run time
+    if expand_settings.backend != "openai":  # the target runs in this job
+        lease = lease_for_job(snakemake.config)  # any free GPU slot
+        log(f"leased slot {lease.slot}: device {lease.device}")
+        device = lease.device
+    else:  # the server generates; this job only tokenizes and sends requests
+        log(f"backend {expand_settings.backend}: no GPU slot leased; server {server.url}")
+        device = "cpu"
     expand_prompts(
         snakemake.input.prompts,
         snakemake.input.target,
-        settings(ExpandSettings, p.settings, seed=p.seed),
+        expand_settings,
         snakemake.output[0],
         shard=int(snakemake.wildcards.shard),
         n_shards=snakemake.params.n_shards,
-        device=lease.device,
+        device=device,
         log=log,
+        server=server,
     )

@@ -7,6 +7,10 @@ Methods (all batch size 1, on the same target, prompts and decoding settings):
 * ``hf_generate``   transformers ``generate``
 * ``prompt_lookup`` transformers prompt-lookup decoding
 * ``assisted``      transformers assisted generation with a small AR draft (only if one is given)
+* ``hf_dflash``     transformers' own DFlash speculative generation (``speculation_type="dflash"``) with
+                    the same drafter, loaded as its ``MuseGlimmerAssistantModel``; only when listed. Where
+                    the installed transformers lacks it (before 5.15) the method is skipped and the
+                    summary records why under ``skipped_methods``
 
 Each method runs over all prompts in turn (method-major, so peak memory is per
 method). Before any timing, every method decodes the first prompt once, untimed
@@ -26,6 +30,7 @@ import math
 import resource
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -35,18 +40,38 @@ from dflashpipe.atomic import atomic_path, write_json
 from dflashpipe.errors import UserError
 
 from . import metrics as M
-from .baselines import assisted_generate, assistant_settings, hf_generate, prompt_lookup_generate
+from .baselines import assisted_generate, assistant_settings, hf_dflash_generate, hf_generate, prompt_lookup_generate
 from .spec_decode import (
     ARDecoder,
     DecodeResult,
     DFlashDecoder,
     check_lossless,
     default_tie_tolerance,
+    drafter_runner,
     eos_ids_of,
     logit_gap,
+    target_runner,
 )
 
-METHODS = ("dflash", "ar", "hf_generate", "prompt_lookup", "assisted")
+METHODS = ("dflash", "ar", "hf_generate", "prompt_lookup", "assisted", "hf_dflash")
+#: what runs when no methods are given (``hf_dflash`` only when asked for)
+DEFAULT_METHODS = ("dflash", "ar", "hf_generate", "prompt_lookup", "assisted")
+
+
+@dataclass
+class EvalSettings:
+    """The config's ``evaluate`` section as :func:`evaluate_dataset` takes it (``**asdict``).
+
+    Defaults are the schema's (tests/test_config.py checks they agree).
+    """
+
+    num_prompts: int | None = 50
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    methods: list = field(default_factory=lambda: list(DEFAULT_METHODS))
+    prompt_lookup_num_tokens: int = 10
+    lossless: str = "ties"
+    target_step: str = "auto"
 
 
 def _peak_memory_reset(device: torch.device) -> None:
@@ -161,6 +186,7 @@ def evaluate_dataset(
     warmup: bool = True,
     chat_template_kwargs: dict | None = None,
     cudnn_sdpa: bool = False,
+    target_step: str = "auto",
     log=print,
 ) -> dict:
     """Run every method on the first ``num_prompts`` prompts; write per-sample parquet and summary JSON atomically.
@@ -181,6 +207,10 @@ def evaluate_dataset(
     them did not, an order bias no single warm-up prompt removes; with cuDNN
     attention off the first pass was within about 2x (the rest is other
     first-use costs). Flash / memory-efficient attention plan nothing per shape.
+
+    ``target_step``: how the DFlash and AR loops run the target (:data:`TARGET_STEPS`):
+    ``auto`` = a static KV cache with CUDA-graph-captured steps on a GPU where the
+    model's layout allows it, HF's ``DynamicCache`` otherwise; recorded in the summary.
     """
     dev = torch.device(device)
     cudnn_before = torch.backends.cuda.cudnn_sdp_enabled()
@@ -190,7 +220,7 @@ def evaluate_dataset(
         return _evaluate(
             target_dir, drafter_dir, prompts_parquet, samples_out, summary_out, max_new_tokens, temperature, num_prompts,
             ar_draft_dir, prompt_lookup_num_tokens, dev, dtype, seed, methods, lossless, tie_tolerance, warmup,
-            chat_template_kwargs, log,
+            chat_template_kwargs, target_step, log,
         )
     finally:
         torch.backends.cuda.enable_cudnn_sdp(cudnn_before)
@@ -199,7 +229,7 @@ def evaluate_dataset(
 def _evaluate(
     target_dir, drafter_dir, prompts_parquet, samples_out, summary_out, max_new_tokens, temperature, num_prompts,
     ar_draft_dir, prompt_lookup_num_tokens, dev, dtype, seed, methods, lossless, tie_tolerance, warmup,
-    chat_template_kwargs, log,
+    chat_template_kwargs, target_step, log,
 ) -> dict:
     from tqdm import tqdm
 
@@ -213,7 +243,7 @@ def _evaluate(
         raise UserError(f"evaluate.temperature must be >= 0, got {temperature}")
     if lossless not in ("exact", "ties", "report"):
         raise UserError(f"evaluate.lossless must be 'exact', 'ties' or 'report', got {lossless!r}")
-    methods = list(methods or [m for m in METHODS if m != "assisted" or ar_draft_dir])
+    methods = list(methods or [m for m in DEFAULT_METHODS if m != "assisted" or ar_draft_dir])
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise UserError(f"evaluate.methods: unknown {unknown}; choose from {list(METHODS)}")
@@ -222,6 +252,15 @@ def _evaluate(
     if "ar" not in methods:
         methods.insert(0, "ar")  # the speed-up denominator and the lossless reference
     methods.sort(key=METHODS.index)
+    skipped_methods = {}
+    if "hf_dflash" in methods:
+        from dflashpipe.drafter.hf_assistant import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            skipped_methods["hf_dflash"] = reason
+            methods.remove("hf_dflash")
+            log(f"skipping method hf_dflash: {reason}")
 
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"evaluate.device is {str(dev)!r} but CUDA is not available")
@@ -239,6 +278,12 @@ def _evaluate(
             assistant = AutoModelForCausalLM.from_pretrained(ar_draft_dir, dtype=dtype).to(dev).eval().requires_grad_(False)
         except Exception as err:
             raise UserError(f"evaluate.ar_draft: cannot load a causal LM from {ar_draft_dir}: {str(err).splitlines()[0]}") from None
+
+    hf_assistant = None
+    if "hf_dflash" in methods:
+        from dflashpipe.drafter.hf_assistant import load_hf_assistant
+
+        hf_assistant = load_hf_assistant(drafter_dir, device=dev, dtype=dtype)
 
     df = read_prompts(prompts_parquet)
     # every method must decode max_new_tokens (plus one verify block) within the target's context
@@ -267,20 +312,35 @@ def _evaluate(
         f"{dcfg.block_size}, methods {methods}, device {dev}, dtype {str(dtype).removeprefix('torch.')}"
     )
 
-    dflash = DFlashDecoder(target, drafter, dcfg, eos)
-    ar_dec = ARDecoder(target, eos)
+    # the static step needs its cache's size up front: the longest prompt, the reply and one verify block
+    capacity = max(len(e) for e in encoded) + max_new_tokens + 2 * dcfg.block_size
+    verify = target_runner(target, target_step, dcfg.target_layer_ids, capacity, graph_sizes=(dcfg.block_size,))
+    dflash = DFlashDecoder(target, drafter, dcfg, eos, runner=verify,
+                           draft_runner=drafter_runner(drafter, verify, target_step, capacity))
+    ar_dec = ARDecoder(target, eos, runner=target_runner(target, target_step, None, capacity, graph_sizes=(1,)))
+    log(f"target step: {dflash.target.mode}, drafter step: {dflash.draft.mode} (evaluate.target_step: {target_step})")
     runners = {
         "dflash": lambda p, n, s: dflash.generate(p, n, temperature, s),
         "ar": lambda p, n, s: ar_dec.generate(p, n, temperature, s),
         "hf_generate": lambda p, n, s: hf_generate(target, tok, p, n, temperature, s, eos),
         "prompt_lookup": lambda p, n, s: prompt_lookup_generate(target, tok, p, n, temperature, s, eos, num_tokens=prompt_lookup_num_tokens),
         "assisted": lambda p, n, s: assisted_generate(target, tok, assistant, p, n, temperature, s, eos),
+        "hf_dflash": lambda p, n, s: hf_dflash_generate(target, tok, hf_assistant, p, n, temperature, s, eos),
     }
     extras = {m: {} for m in methods}
     if "prompt_lookup" in methods:
         extras["prompt_lookup"] = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens}
     if assistant is not None:
         extras["assisted"] = {"assistant": assistant_settings(assistant), "assistant_parameters": sum(p.numel() for p in assistant.parameters())}
+    if hf_assistant is not None:
+        import transformers
+
+        extras["hf_dflash"] = {
+            "assistant": type(hf_assistant).__name__,
+            "speculation_type": "dflash",
+            "transformers": transformers.__version__,
+            "tau_convention": "tau_mean/tau_pooled: tokens per verify forward that reach the output (as for dflash)",
+        }
 
     if warmup:
         for method in methods:
@@ -323,11 +383,16 @@ def _evaluate(
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."),
         "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled() if dev.type == "cuda" else None,
+        # how the DFlash and AR loops ran the target: static+cuda_graphs, static or dynamic (DynamicCache)
+        "target_step": dflash.target.mode,
+        "drafter_step": dflash.draft.mode,
         "torch": torch.__version__,
         "warmup": "each method decoded the first prompt once, untimed, before any timing" if warmup else None,
         "timing": "decode only: from the first output token (produced by the prefill forward) to the last; "
         "speed-up = AR time per decode token / method time per decode token, AR = same-harness autoregressive",
         "methods": {m: _summarise(m, results[m], ar, dcfg.block_size, extras[m]) for m in methods},
+        # listed in evaluate.methods but not run, with the reason (e.g. hf_dflash on an older transformers)
+        "skipped_methods": skipped_methods,
     }
 
     failure = None

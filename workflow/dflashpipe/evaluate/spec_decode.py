@@ -216,8 +216,14 @@ class TargetRunner:
         self.embed = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
 
+    mode = "dynamic"
+
     def new_cache(self):
         return new_dynamic_cache(self.model)
+
+    def keep(self, cache, n: int) -> None:
+        """Keep the verified prefix of ``n`` positions."""
+        crop_cache(cache, n)
 
     @torch.no_grad()
     def forward(self, cache, ids: torch.Tensor, start: int, features: bool = False, last_only: bool = False):
@@ -271,8 +277,8 @@ def _generator(device, seed: int | None):
 class ARDecoder:
     """Plain autoregressive decoding: one token per target forward, with the cache."""
 
-    def __init__(self, target_model, eos_ids: list[int]):
-        self.target = TargetRunner(target_model)
+    def __init__(self, target_model, eos_ids: list[int], runner=None):
+        self.target = runner or TargetRunner(target_model)
         self.eos_ids = list(eos_ids)
 
     @torch.no_grad()
@@ -302,6 +308,36 @@ class ARDecoder:
         return res
 
 
+class DrafterRunner:
+    """The drafter's side of a DFlash step, eager: a growing :class:`DraftCache` (see :mod:`.static_drafter`)."""
+
+    mode = "eager"
+
+    def __init__(self, drafter, embed, lm_head, mask_token_id: int):
+        self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
+        self.bs = int(drafter.cfg.block_size)
+        self.dtype = next(drafter.parameters()).dtype
+        self.mask = torch.full((1, self.bs - 1), int(mask_token_id), dtype=torch.long, device=lm_head.weight.device)
+
+    def new_cache(self):
+        return self.drafter.new_cache()
+
+    @torch.no_grad()
+    def extend(self, cache, feats: torch.Tensor, start: int, keep: int) -> None:
+        """Context positions start..start+keep-1 from the first ``keep`` rows of feats [1, T, F]."""
+        pos = torch.arange(start, start + keep, device=feats.device).unsqueeze(0)
+        self.drafter.extend_context(cache, feats[:, :keep].to(self.dtype), pos)
+
+    @torch.no_grad()
+    def propose(self, cache, n: int, last: torch.Tensor) -> torch.Tensor:
+        """Drafts d_1..d_{bs-1} [bs-1] for the block [last, MASK x (bs-1)] at positions n-1 .. n+bs-2."""
+        block = torch.cat([last, self.mask], dim=1)  # [1, bs]
+        pos = torch.arange(n - 1, n - 1 + self.bs, device=block.device).unsqueeze(0)
+        hidden = self.drafter.draft(cache, self.embed(block).to(self.dtype), pos)  # [1, bs, H]
+        logits = self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype))  # [1, bs-1, V]
+        return logits[0].argmax(dim=-1)
+
+
 class DFlashDecoder:
     """DFlash speculative decoding with a :class:`~dflashpipe.drafter.model.DFlashDrafter`.
 
@@ -309,7 +345,7 @@ class DFlashDecoder:
     methods so tests can substitute an oracle drafter or a broken verifier.
     """
 
-    def __init__(self, target_model, drafter, drafter_cfg, eos_ids: list[int]):
+    def __init__(self, target_model, drafter, drafter_cfg, eos_ids: list[int], runner=None, draft_runner=None):
         tc = target_model.config.get_text_config() if hasattr(target_model.config, "get_text_config") else target_model.config
         if int(tc.hidden_size) != drafter_cfg.hidden_size or int(tc.num_hidden_layers) != drafter_cfg.num_target_layers:
             raise UserError(
@@ -318,30 +354,21 @@ class DFlashDecoder:
             )
         if drafter_cfg.mask_token_id >= int(tc.vocab_size):
             raise UserError(f"drafter mask_token_id {drafter_cfg.mask_token_id} is not a row of the target embedding (vocab {tc.vocab_size})")
-        self.target = TargetRunner(target_model, drafter_cfg.target_layer_ids)
+        self.target = runner or TargetRunner(target_model, drafter_cfg.target_layer_ids)
         self.drafter = drafter
         self.cfg = drafter_cfg
         self.bs = int(drafter_cfg.block_size)
         self.eos_ids = list(eos_ids)
-        self.drafter_dtype = next(drafter.parameters()).dtype
-        self.mask = torch.full((1, self.bs - 1), drafter_cfg.mask_token_id, dtype=torch.long, device=self.target.device)
+        self.draft = draft_runner or DrafterRunner(drafter, self.target.embed, self.target.lm_head, drafter_cfg.mask_token_id)
 
     # -- one step, split for testing ----------------------------------------
 
-    @torch.no_grad()
     def _propose(self, dcache, seq: list[int], last: torch.Tensor) -> torch.Tensor:
         """Draft tokens d_1..d_{bs-1} [bs-1] for the block anchored at ``seq[-1]`` (position len(seq)-1).
 
         ``last``: [1, 1] tensor of ``seq[-1]`` on the device.
         """
-        n = len(seq)
-        block = torch.cat([last, self.mask], dim=1)  # [1, bs]
-        pos = torch.arange(n - 1, n - 1 + self.bs, device=block.device).unsqueeze(0)
-        emb = self.target.embed(block).to(self.drafter_dtype)
-        hidden = self.drafter.draft(dcache, emb, pos)  # [1, bs, H]
-        lm_w = self.target.lm_head.weight
-        logits = self.target.lm_head(hidden[:, 1:].to(lm_w.dtype))  # [1, bs-1, V]
-        return logits[0].argmax(dim=-1)
+        return self.draft.propose(dcache, len(seq), last)
 
     def _accept(self, draft: torch.Tensor, logits: torch.Tensor, temperature: float, gen) -> tuple[int, list[int]]:
         """Verification rule. draft [bs-1]; logits [bs, V] (row k predicts the token after block position k).
@@ -376,11 +403,11 @@ class DFlashDecoder:
         gen = _generator(dev, seed) if temperature > 0 else None
         ids = torch.tensor([prompt_ids], device=dev)
         P = len(prompt_ids)
-        cache, dcache = tgt.new_cache(), self.drafter.new_cache()
+        cache, dcache = tgt.new_cache(), self.draft.new_cache()
         sync(dev)
         t0 = time.perf_counter()
         logits, feats = tgt.forward(cache, ids, 0, features=True, last_only=True)
-        self.drafter.extend_context(dcache, feats.to(self.drafter_dtype), torch.arange(P, device=dev).unsqueeze(0))
+        self.draft.extend(dcache, feats, 0, P)
         out, reason = cut_step([_first_token(logits[-1], temperature, gen)], 0, max_new_tokens, self.eos_ids)
         sync(dev)
         t1 = time.perf_counter()
@@ -394,10 +421,8 @@ class DFlashDecoder:
             res.target_forwards += 1
             a, step_tokens = self._accept(draft, logits, temperature, gen)
             # Keep the verified positions: the anchor and the a accepted drafts.
-            crop_cache(cache, n + a)
-            self.drafter.extend_context(
-                dcache, feats[:, : a + 1].to(self.drafter_dtype), torch.arange(n - 1, n + a, device=dev).unsqueeze(0)
-            )
+            tgt.keep(cache, n + a)
+            self.draft.extend(dcache, feats, n - 1, a + 1)
             kept, reason = cut_step(step_tokens, len(out), max_new_tokens, self.eos_ids)
             out.extend(kept)
             seq.extend(step_tokens)
@@ -407,6 +432,39 @@ class DFlashDecoder:
         sync(dev)
         res.prefill_s, res.decode_s, res.stop_reason = t1 - t0, time.perf_counter() - t1, reason
         return res
+
+
+#: How the decoders run the target: ``compiled`` (static KV cache, steps compiled and captured as CUDA
+#: graphs on a GPU), ``static`` (the same, not compiled), ``dynamic`` (HF ``DynamicCache``, eager) or
+#: ``auto`` (``compiled`` on a GPU where the model's layout allows it, else ``dynamic``).
+TARGET_STEPS = ("auto", "compiled", "static", "dynamic")
+
+
+def target_runner(model, step: str = "auto", layer_ids=None, capacity: int = 2048, graph_sizes=(1,)):
+    """The target wrapper both decoders use; its ``mode`` says which ran (recorded in eval summaries)."""
+    from .static_target import StaticTargetRunner, supports_static
+
+    if step not in TARGET_STEPS:
+        raise UserError(f"evaluate.target_step must be one of {', '.join(TARGET_STEPS)}, got {step!r}")
+    why = supports_static(model)
+    cuda = next(model.parameters()).device.type == "cuda"
+    if step in ("static", "compiled") and why:
+        raise UserError(f"evaluate.target_step: {step}: {why}; use auto or dynamic")
+    if step == "dynamic" or (step == "auto" and (why or not cuda)):
+        return TargetRunner(model, layer_ids)
+    return StaticTargetRunner(model, layer_ids, capacity=capacity, graph_sizes=graph_sizes,
+                              compile=step in ("auto", "compiled"))
+
+
+def drafter_runner(drafter, target_runner_, step: str = "auto", capacity: int = 2048):
+    """The drafter's side to go with a target runner: static (CUDA graphs on a GPU) when the target's is."""
+    from .static_drafter import StaticDrafterRunner
+
+    mask_id = drafter.cfg.mask_token_id
+    if target_runner_.mode == "dynamic" or step == "dynamic":
+        return DrafterRunner(drafter, target_runner_.embed, target_runner_.lm_head, mask_id)
+    return StaticDrafterRunner(drafter, target_runner_.embed, target_runner_.lm_head, mask_id, capacity,
+                               cuda_graphs=getattr(target_runner_, "cuda_graphs", None))
 
 
 def dflash_generate(target_model, drafter, drafter_cfg, prompt_ids, max_new_tokens, temperature=0.0, seed=0, eos_ids=None) -> DecodeResult:

@@ -1,0 +1,325 @@
+"""Decoding speed at Qwen3-8B shapes on one GPU: the evaluation's batch-1 loops and batched regeneration.
+
+A Qwen3-8B-shaped target (36 layers, hidden 4096, GQA 32/8, vocab 151936; random
+bf16 weights: speed does not depend on them) and the paper's 5-layer drafter.
+
+Batch 1 (the evaluation harness; 200-token prompt, ``--new`` new tokens):
+
+* ``hf_generate``: HF ``generate`` (greedy, DynamicCache), ms per token;
+* ``ar_dynamic`` / ``ar_static``: the harness's AR loop with the dynamic (eager,
+  ``DynamicCache``) and the static target step (static KV cache, CUDA graphs:
+  :mod:`dflashpipe.evaluate.static_target`), ms per token;
+* ``verify_*``: one target forward of a 16-token block with context features;
+  ``draft_*``: one drafter forward + LM head + argmax; ``dflash_block_*``: a whole DFlash step
+  (draft + verify + accept + draft-cache update) from the DFlash loop with a
+  random drafter (which accepts nothing, so every step is one block); the drafter's
+  side runs eager with the dynamic target step and captured (CUDA graphs:
+  :mod:`dflashpipe.evaluate.static_drafter`) with the static ones;
+* the memory-bound limit: the target's weight bytes over the copy bandwidth
+  measured on the same GPU.
+
+Batched regeneration (``--prompts`` prompts of 160 tokens, reply lengths drawn
+like chat replies: lognormal, median 300, capped at 1,024):
+
+* ``static_generate``: today's embedded backend (static ``generate`` batches of
+  ``--batch``, a batch runs to its longest member), useful tokens/s;
+* ``batched``: the ``batched`` expansion backend (continuous batching over a
+  static slotted KV cache, CUDA-graph decode step: :mod:`dflashpipe.slot_decode`),
+  useful tokens/s and the decode step's time with every row busy, per ``--slots``,
+  on the same prompts and on more of them (``--batched-prompts``: a run of 256
+  prompts lasts at least as many steps as its longest reply, 1,024, most of them
+  with few rows busy; a corpus of many prompts keeps the rows full);
+* ``continuous``: transformers' continuous batching (``init_continuous_batching``:
+  paged KV cache, finished rows replaced by waiting prompts), useful tokens/s,
+  in each configuration of ``--cb-configs``.
+
+    python benchmarks/decode_speed.py --out $OUT/decode_speed.json
+    python benchmarks/decode_speed.py --device cpu --tiny     # smoke run of the code path
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "workflow"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from train_throughput import QWEN3_8B, TINY, build_target  # noqa: E402
+
+GIB = 2**30
+
+
+def sync(dev):
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(dev, gib: float = 4.0) -> float:
+    """Achievable device memory bandwidth (bytes/s): read + write of a large copy."""
+    a = torch.empty(int(gib * GIB), dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    for _ in range(2):
+        b.copy_(a)
+    sync(dev)
+    t = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    sync(dev)
+    return 2 * a.numel() * 10 / (time.perf_counter() - t)
+
+
+def timed(fn, dev, reps: int = 20, warm: int = 3) -> float:
+    """Median seconds of fn()."""
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync(dev)
+        t = time.perf_counter()
+        fn()
+        sync(dev)
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def reply_lengths(n: int, seed: int = 0, median: float = 300, sigma: float = 0.6, cap: int = 1024) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(min(cap, max(1, round(x)))) for x in rng.lognormal(np.log(median), sigma, n)]
+
+
+def batch1(a, target, tcfg, dev) -> dict:
+    from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
+    from dflashpipe.evaluate.spec_decode import ARDecoder, DFlashDecoder, TargetRunner, drafter_runner
+    from dflashpipe.evaluate.static_target import StaticTargetRunner
+
+    bs, P, new = a.block_size, (32 if a.tiny else 200), a.new
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, tcfg.vocab_size - 2, (P,), generator=g).tolist()
+    mask_id = tcfg.vocab_size - 1
+    dcfg = DrafterConfig.from_target_config(tcfg, a.layers, bs, mask_id)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(dcfg).to(dev, target.dtype).eval()
+    res: dict = {"prompt_tokens": P, "new_tokens": new, "block_size": bs, "drafter_layers": a.layers}
+
+    ids = torch.tensor([prompt], device=dev)
+
+    def hf():
+        target.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, temperature=None, top_p=None,
+                        top_k=None, pad_token_id=0)
+
+    res["hf_generate_ms_per_token"] = 1e3 * timed(hf, dev, reps=3, warm=1) / new
+
+    runners = [("dynamic", TargetRunner(target, dcfg.target_layer_ids))]
+    for name, comp in (("static", False), ("static_compiled", True)):
+        if name in a.static_modes.split(","):
+            runners.append((name, StaticTargetRunner(target, dcfg.target_layer_ids, capacity=P + new + 2 * bs,
+                                                     graph_sizes=(1, bs), compile=comp)))
+    for name, runner in runners:
+        t0 = time.perf_counter()
+        ar = ARDecoder(target, [], runner=runner)
+        ar.generate(prompt, 8)  # captures the graphs of this runner
+        r = [ar.generate(prompt, new) for _ in range(3)]
+        res[f"ar_{name}_ms_per_token"] = 1e3 * float(np.median([x.decode_s / x.target_forwards for x in r]))
+        cache = runner.new_cache()
+        runner.forward(cache, ids, 0, features=True, last_only=True)
+        block = torch.randint(0, tcfg.vocab_size - 2, (1, bs), device=dev)
+
+        def verify(runner=runner, cache=cache, block=block):
+            runner.forward(cache, block, P, features=True)
+            if name == "dynamic":
+                runner.keep(cache, P)
+
+        res[f"verify_{name}_ms"] = 1e3 * timed(verify, dev)
+        dec = DFlashDecoder(target, drafter, dcfg, [], runner=runner,
+                            draft_runner=drafter_runner(drafter, runner, capacity=P + new + 2 * bs))
+        dec.generate(prompt, 8)
+        r = [dec.generate(prompt, new) for _ in range(3)]
+        res[f"dflash_block_{name}_ms"] = 1e3 * float(np.median([x.decode_s / x.verify_steps for x in r]))
+        res[f"dflash_mean_accepted_{name}"] = float(np.mean([np.mean(x.accepted) for x in r]))
+        res[f"{name}_seconds_incl_capture"] = time.perf_counter() - t0
+        res[f"drafter_step_{name}"] = dec.draft.mode
+        dcache = dec.draft.new_cache()
+        feats = torch.randn(1, P, len(dcfg.target_layer_ids) * tcfg.hidden_size, device=dev, dtype=target.dtype)
+        dec.draft.extend(dcache, feats, 0, P)
+        last = torch.tensor([[prompt[-1]]], device=dev)
+        res[f"draft_{name}_ms"] = 1e3 * timed(lambda dec=dec, dcache=dcache, last=last: dec._propose(dcache, prompt, last), dev)
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    res["target_weight_gb"] = weight_bytes / 1e9
+    if torch.device(dev).type == "cuda":
+        bw = copy_bandwidth(dev)
+        res["copy_bandwidth_gb_s"] = bw / 1e9
+        res["memory_bound_ms_per_token"] = 1e3 * weight_bytes / bw
+        for name, _ in runners[1:]:
+            res[f"ar_{name}_fraction_of_limit"] = res["memory_bound_ms_per_token"] / res[f"ar_{name}_ms_per_token"]
+    for name, _ in runners[1:]:
+        res[f"dflash_block_over_ar_{name}"] = res[f"dflash_block_{name}_ms"] / res[f"ar_{name}_ms_per_token"]
+    return res
+
+
+def static_generate(target, prompts, lengths, batch: int, dev) -> dict:
+    """Today's embedded backend: a batch runs to its longest member (no EOS with random weights)."""
+    t0 = time.perf_counter()
+    useful = 0
+    order = sorted(range(len(prompts)), key=lambda i: lengths[i])
+    for s in range(0, len(order), batch):
+        idx = order[s : s + batch]
+        ids = torch.tensor([prompts[i] for i in idx], device=dev)
+        n = max(lengths[i] for i in idx)
+        target.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, temperature=None, top_p=None,
+                        top_k=None, pad_token_id=0)
+        useful += sum(lengths[i] for i in idx)
+    sync(dev)
+    secs = time.perf_counter() - t0
+    return {"prompts": len(prompts), "useful_tokens": useful, "seconds": secs, "useful_tokens_per_s": useful / secs,
+            "batch": batch}
+
+
+def continuous(target, prompts, lengths, dev, cb_kwargs: dict, timeout: float) -> dict:
+    """transformers' continuous batching, one request per prompt with its own reply length."""
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max(lengths), eos_token_id=None, pad_token_id=0)
+    if torch.device(dev).type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    manager = target.init_continuous_batching(generation_config=gc,
+                                              continuous_batching_config=ContinuousBatchingConfig(**cb_kwargs))
+    manager.start()
+    try:
+        for i, (p, n) in enumerate(zip(prompts, lengths)):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
+        t1 = time.perf_counter()
+        done, useful = 0, 0
+        while done < len(prompts) and time.perf_counter() - t1 < timeout:
+            out = manager.get_result(timeout=1.0)
+            if out is not None and out.is_finished():
+                done += 1
+                useful += len(out.generated_tokens)
+    finally:
+        manager.stop(block=True, timeout=30)
+    secs = time.perf_counter() - t1
+    res = {"config": cb_kwargs, "prompts_finished": done, "useful_tokens": useful, "seconds": secs,
+           "useful_tokens_per_s": useful / secs, "start_s": t1 - t0, "timed_out": done < len(prompts)}
+    if torch.device(dev).type == "cuda":
+        res["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+    return res
+
+
+def batched(target, prompts, lengths, dev, slots: int) -> dict:
+    """The ``batched`` expansion backend's decoder (:mod:`dflashpipe.slot_decode`), one limit per request."""
+    from dflashpipe.slot_decode import SlotDecoder
+
+    if torch.device(dev).type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    capacity = -(-(max(len(p) for p in prompts) + max(lengths)) // 256) * 256
+    t0 = time.perf_counter()
+    dec = SlotDecoder(target, slots, capacity)
+    warm = dec.generate(prompts[:slots], [2] * min(slots, len(prompts)), [])  # captures the step's graph
+    sync(dev)
+    t1 = time.perf_counter()
+    out = dec.generate(prompts, lengths, [])
+    sync(dev)
+    secs = time.perf_counter() - t1
+    useful = sum(len(ids) for ids, _ in out)
+    # the decode step alone, all rows busy
+    step_s = timed(lambda: dec._step(slots), dev, reps=20, warm=2)
+    res = {"slots": slots, "capacity": capacity, "mode": dec.mode, "useful_tokens": useful, "seconds": secs,
+           "useful_tokens_per_s": useful / secs, "setup_and_capture_s": t1 - t0, "decode_step_ms": 1e3 * step_s,
+           "full_batch_tokens_per_s": slots / step_s, "warm_requests": len(warm),
+           "kv_cache_gib": sum(t.numel() * t.element_size() for t in dec.k + dec.v) / GIB}
+    if torch.device(dev).type == "cuda":
+        res["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+    del dec
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--baseline-prompts", type=int, default=64, help="prompts for the static-generate baseline")
+    ap.add_argument("--slots", default="256", help="rows of the batched backend's KV cache, one run each")
+    ap.add_argument("--batched-prompts", default="256,1024",
+                    help="prompt counts for the batched backend (more prompts: the tail of the longest replies weighs less)")
+    ap.add_argument("--cb-configs", default='[{}]', help="JSON list of ContinuousBatchingConfig kwargs")
+    ap.add_argument("--cb-timeout", type=float, default=150)
+    ap.add_argument("--parts", default="batch1,expand")
+    ap.add_argument("--static-modes", default="static,static_compiled")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    dev = a.device
+    shapes = TINY if a.tiny else QWEN3_8B
+    target, tcfg = build_target(shapes, 2048, a.block_size, dev)
+    import transformers
+
+    out = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu", "torch": torch.__version__,
+           "transformers": transformers.__version__, "shapes": shapes}
+    def save():  # after each part: a run cut short keeps what it measured
+        if a.out:
+            Path(a.out).write_text(json.dumps(out, indent=1))
+
+    for part in a.parts.split(","):
+        if part == "batch1":
+            out["batch1"] = batch1(a, target, tcfg, dev)
+            print(json.dumps(out["batch1"], indent=1), flush=True)
+        elif part == "expand":
+            expand(a, target, tcfg, dev, out, save)
+        save()
+
+
+def expand(a, target, tcfg, dev, out: dict, save) -> None:
+    g = torch.Generator().manual_seed(1)
+    plen = 16 if a.tiny else 160
+    counts = sorted({a.prompts, *(int(x) for x in a.batched_prompts.split(",") if x)})
+    all_prompts = [torch.randint(0, tcfg.vocab_size - 2, (plen,), generator=g).tolist() for _ in range(counts[-1])]
+    all_lengths = reply_lengths(counts[-1])
+    if a.tiny:
+        all_lengths = [max(1, n // 20) for n in all_lengths]
+    prompts, lengths = all_prompts[: a.prompts], all_lengths[: a.prompts]
+    out["reply_lengths"] = {"mean": float(np.mean(lengths)), "median": float(np.median(lengths)), "max": max(lengths)}
+    nb = min(a.baseline_prompts, a.prompts)
+    out["static_generate"] = static_generate(target, prompts[:nb], lengths[:nb], a.batch, dev)
+    print(json.dumps(out["static_generate"]), flush=True)
+    save()
+    out["batched"] = []
+    for slots in [int(x) for x in a.slots.split(",") if x]:
+        for count in counts:
+            try:
+                r = batched(target, all_prompts[:count], all_lengths[:count], dev, slots)
+            except Exception as err:  # noqa: BLE001
+                r = {"slots": slots, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+            r["prompts"] = count
+            out["batched"].append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "traceback"}), flush=True)
+            save()
+            if torch.device(dev).type == "cuda":
+                torch.cuda.empty_cache()
+    out["continuous"] = []
+    for kw in json.loads(a.cb_configs):
+        try:
+            r = continuous(target, prompts, lengths, dev, kw, a.cb_timeout)
+        except Exception as err:  # noqa: BLE001 - record and go on to the next configuration
+            r = {"config": kw, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+        out["continuous"].append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "traceback"}), flush=True)
+        save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The drafter's side of a DFlash step at batch 1, captured as CUDA graphs (the target's: :mod:`.static_target`).
+
+A DFlash step runs two drafter pieces besides the target's verify: the draft
+(one forward of the block ``[last, MASK x (bs-1)]`` against the cached context,
+then the LM head and argmax) and the context update (project the verified
+positions' target features into every layer's keys/values). Eager, a few-layer
+drafter is hundreds of small launches: at small target sizes it costs more than
+the captured verify. Here both are captured once:
+
+* the projected context lives in one buffer per layer ``[1, Hkv, capacity, D]``;
+  a counter ``valid`` says how many positions are context; the draft's mask shows
+  it positions ``< valid`` and its own block (bidirectional);
+* an update after a verify always writes the whole block's ``bs`` positions
+  (fixed shape) starting at the block's first position, and sets ``valid`` to the
+  verified prefix: the rejected positions past it are hidden, then overwritten by
+  the next update, which starts exactly there.
+
+:class:`StaticDrafterRunner` has :class:`~dflashpipe.evaluate.spec_decode.DrafterRunner`'s
+interface (``new_cache``, ``extend``, ``propose``). The prompt's context (variable
+length) is written uncaptured. On the CPU nothing is captured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StaticDrafterRunner:
+    def __init__(self, drafter, embed, lm_head, mask_token_id: int, capacity: int, cuda_graphs: bool | None = None):
+        self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
+        cfg = drafter.cfg
+        self.bs, self.capacity = int(cfg.block_size), int(capacity)
+        self.device = next(drafter.parameters()).device
+        self.dtype = next(drafter.parameters()).dtype
+        shape = (1, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in drafter.layers]
+        self.v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in drafter.layers]
+        self.ctx_pos = torch.arange(self.capacity, device=self.device)
+        self.valid = torch.zeros((), dtype=torch.long, device=self.device)  # context positions [0, valid)
+        self.start = torch.zeros((), dtype=torch.long, device=self.device)  # the block's first position
+        self.last = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self.feats = torch.zeros((1, self.bs, len(cfg.target_layer_ids) * cfg.hidden_size), device=self.device,
+                                 dtype=self.dtype)
+        self.mask_ids = torch.full((1, self.bs - 1), int(mask_token_id), dtype=torch.long, device=self.device)
+        self.block_visible = torch.ones((1, 1, self.bs, self.bs), dtype=torch.bool, device=self.device)
+        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
+        self._graphs: dict[str, tuple] = {}
+        self.mode = "static+cuda_graphs" if self.cuda_graphs else "static"
+
+    # -- the two pieces ---------------------------------------------------------------
+
+    def _write(self, feats: torch.Tensor, positions: torch.Tensor) -> None:
+        """Project feats [1, T, F] at positions [T] into every layer's context buffers."""
+        ctx = self.drafter.project_context(feats.to(self.dtype))
+        cos, sin = self.drafter._rope(positions.unsqueeze(0), ctx.dtype)
+        for i, layer in enumerate(self.drafter.layers):
+            k, v = layer.self_attn.project_kv(ctx, cos, sin)
+            self.k[i].index_copy_(2, positions, k)
+            self.v[i].index_copy_(2, positions, v)
+
+    def _extend_block(self) -> None:
+        self._write(self.feats, self.start + torch.arange(self.bs, device=self.device))
+
+    def _propose_block(self) -> torch.Tensor:
+        block = torch.cat([self.last, self.mask_ids], dim=1)  # [1, bs]
+        h = self.embed(block).to(self.dtype)
+        pos = (self.start + torch.arange(self.bs, device=self.device)).unsqueeze(0)
+        cos, sin = self.drafter._rope(pos, h.dtype)
+        ctx_visible = (self.ctx_pos < self.valid).view(1, 1, 1, -1).expand(1, 1, self.bs, self.capacity)
+        mask = torch.cat([ctx_visible, self.block_visible], dim=-1)  # [1, 1, bs, capacity + bs]
+        for i, layer in enumerate(self.drafter.layers):
+            h = layer(h, self.k[i], self.v[i], cos, sin, mask)
+        hidden = self.drafter.norm(h)
+        logits = self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype))  # [1, bs-1, V]
+        return logits[0].argmax(dim=-1)
+
+    def _run(self, name: str, fn):
+        if not self.cuda_graphs:
+            return fn()
+        if name not in self._graphs:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm-up outside the capture
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fn()
+            self._graphs[name] = (graph, out)
+        graph, out = self._graphs[name]
+        graph.replay()
+        return out
+
+    # -- DrafterRunner's interface ----------------------------------------------------
+
+    def new_cache(self):
+        return self  # one cache: ``valid`` says what is context
+
+    @torch.no_grad()
+    def extend(self, cache, feats: torch.Tensor, start: int, keep: int) -> None:
+        """Context positions start..start+keep-1 from feats [1, T, F] (T >= keep; the rest is written but hidden)."""
+        T = feats.shape[1]
+        if start + max(T, self.bs) > self.capacity:
+            raise ValueError(f"static drafter step: position {start + T} exceeds the cache capacity {self.capacity}")
+        if T == self.bs:
+            self.feats.copy_(feats)
+            self.start.fill_(start)
+            self._run("extend", self._extend_block)
+        else:  # the prompt: variable length, uncaptured
+            self._write(feats[:, :keep], torch.arange(start, start + keep, device=self.device))
+        self.valid.fill_(start + keep)
+
+    @torch.no_grad()
+    def propose(self, cache, n: int, last: torch.Tensor) -> torch.Tensor:
+        """Drafts d_1..d_{bs-1} [bs-1] for the block anchored at position n-1 (token ``last`` [1, 1])."""
+        if n - 1 + self.bs > self.capacity:
+            raise ValueError(f"static drafter step: position {n - 1 + self.bs} exceeds the cache capacity {self.capacity}")
+        self.last.copy_(last)
+        self.start.fill_(n - 1)
+        return self._run("propose", self._propose_block)

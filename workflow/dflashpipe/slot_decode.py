@@ -1,0 +1,284 @@
+"""Batched regeneration near the GPU's limit: continuous batching over a static, slotted KV cache.
+
+Today's embedded backend runs static ``generate`` batches: a batch runs to its
+longest member, so most rows decode padding, and every step is launched from
+Python. Here (the ``batched`` expansion backend):
+
+* the KV cache is ``slots`` rows of one preallocated buffer per layer
+  ``[slots, Hkv, capacity, D]``; a request owns a row from its prefill to its end
+  token, and a finished row is given to the next waiting prompt at once
+  (continuous batching), so every decode step does useful work for (nearly)
+  every row;
+* the decode step of all rows (one token each, each at its own position) is
+  captured once as a CUDA graph and replayed: one launch per step. Attention is
+  written out for grouped KV heads (each key/value row is read once for its
+  group of query heads) with a per-row length mask. When few rows are busy (the
+  tail of a run, when no prompt is waiting) a step computes only those, padded
+  to a power-of-two count (slots/2, slots/4, ... >= 8), each count its own graph;
+* new prompts are prefilled in groups (right-padded, causal SDPA), writing their
+  keys/values into their rows; padding positions are masked until overwritten.
+
+The weights are the model's own modules (embedding, norms, projections, MLP, LM
+head); the attention and RoPE are the standard Llama/Qwen2/Qwen3 formulas, so
+greedy outputs equal transformers' (a CPU test checks token for token). Token
+choice happens outside the graph: greedy argmax, or temperature / top-p sampling
+from a seeded generator (reproducible for a given set of prompts: resumable per
+chunk).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+
+#: model types whose layers follow the Llama layout this module writes out
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def unsupported_reason(model) -> str | None:
+    """None if :class:`SlotDecoder` can run ``model``; else why not (one phrase)."""
+    cfg = model.config
+    if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return f"model type {getattr(cfg, 'model_type', None)!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+    types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"} or getattr(cfg, "use_sliding_window", False):
+        return "sliding-window layers"
+    return None
+
+
+def kv_bytes_per_token(model) -> int:
+    cfg = model.config
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    return 2 * cfg.num_hidden_layers * n_kv * head_dim * next(model.parameters()).element_size()
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope(x, cos, sin):
+    """x [B, heads, T, D]; cos/sin [B, T, D]."""
+    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+
+
+class SlotDecoder:
+    """Greedy or sampled decoding of many prompts through ``slots`` rows of a static KV cache."""
+
+    def __init__(self, model, slots: int, capacity: int, cuda_graphs: bool | None = None, prefill_tokens: int = 8192):
+        why = unsupported_reason(model)
+        if why:
+            raise ValueError(f"batched decoding: {why}")
+        self.model, self.inner = model, model.model
+        cfg = model.config
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        self.scaling = self.head_dim**-0.5
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.score_dtype = torch.promote_types(self.dtype, torch.float32)  # softmax in fp32 (fp64 for fp64 models)
+        self.slots, self.capacity, self.prefill_tokens = int(slots), int(capacity), int(prefill_tokens)
+        shape = (self.slots, self.n_kv, self.capacity, self.head_dim)
+        self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.inner.layers]
+        self.v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.inner.layers]
+        self.key_pos = torch.arange(self.capacity, device=self.device)
+        self.rows = torch.arange(self.slots, device=self.device)
+        self.ids = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # each row's last token
+        self.pos = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # ... and its position
+        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
+        self.active = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # rows of a partial step
+        self._graphs: dict[int, tuple] = {}
+        self.mode = "slots+cuda_graphs" if self.cuda_graphs else "slots"
+
+    # -- one layer, written out ------------------------------------------------------
+
+    def _qkv(self, layer, h, cos, sin):
+        """h [B, T, H] (normed) -> q [B, Hq, T, D], k/v [B, Hkv, T, D] with RoPE."""
+        a = layer.self_attn
+        B, T, _ = h.shape
+        q = a.q_proj(h).view(B, T, self.n_heads, self.head_dim)
+        k = a.k_proj(h).view(B, T, self.n_kv, self.head_dim)
+        v = a.v_proj(h).view(B, T, self.n_kv, self.head_dim)
+        if hasattr(a, "q_norm"):  # Qwen3
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def _finish_layer(self, layer, x, o):
+        """o [B, T, Hq*D] attention output -> the layer's output."""
+        x = x + layer.self_attn.o_proj(o)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    # -- decode: every row one token -------------------------------------------------
+
+    def _decode_step(self, n: int) -> torch.Tensor:
+        """One token for ``n`` rows: all rows (n == slots), or ``self.active[:n]`` (their caches gathered)."""
+        G = self.n_heads // self.n_kv
+        if n == self.slots:
+            rows, ids, pos = self.rows, self.ids, self.pos
+        else:
+            rows = self.active[:n]
+            ids, pos = self.ids[rows], self.pos[rows]
+        x = self.inner.embed_tokens(ids.unsqueeze(1))  # [n, 1, H]
+        cos, sin = self.inner.rotary_emb(x, pos.unsqueeze(1))
+        # additive mask: a row sees the keys at positions <= its own
+        mask = torch.zeros((n, self.capacity), dtype=self.score_dtype, device=self.device)
+        mask.masked_fill_(self.key_pos.unsqueeze(0) > pos.unsqueeze(1), float("-inf"))
+        mask = mask[:, None, None, :]
+        for i, layer in enumerate(self.inner.layers):
+            q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
+            self.k[i][rows, :, pos] = k[:, :, 0]
+            self.v[i][rows, :, pos] = v[:, :, 0]
+            keys, values = (self.k[i], self.v[i]) if n == self.slots else (self.k[i][rows], self.v[i][rows])
+            qg = q.reshape(n, self.n_kv, G, self.head_dim)  # query head h uses key/value head h // G
+            scores = torch.matmul(qg, keys.transpose(-1, -2)).to(self.score_dtype) * self.scaling + mask
+            p = torch.softmax(scores, dim=-1).to(self.dtype)
+            o = torch.matmul(p, values).reshape(n, 1, self.n_heads * self.head_dim)
+            x = self._finish_layer(layer, x, o)
+        return self.model.get_output_embeddings()(self.inner.norm(x))[:, 0].to(self.score_dtype)  # [n, V]
+
+    def _step(self, n: int) -> torch.Tensor:
+        """The decode step for ``n`` rows (one captured graph per row count)."""
+        if not self.cuda_graphs:
+            return self._decode_step(n)
+        if n not in self._graphs:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm-up outside the capture
+                for _ in range(2):
+                    self._decode_step(n)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = self._decode_step(n)
+            self._graphs[n] = (graph, logits)
+        graph, logits = self._graphs[n]
+        graph.replay()
+        return logits
+
+    def _bucket(self, busy: int) -> int:
+        """Rows a step computes for ``busy`` busy rows: all, or the smallest of slots/2, slots/4, ... (>= 8) that holds them."""
+        n = self.slots
+        while n // 2 >= max(busy, 8) and n // 2 >= 1:
+            n //= 2
+        return n
+
+    # -- prefill: a group of new prompts into their rows --------------------------------
+
+    def _prefill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        """Write the prompts' keys/values into ``rows``; returns the logits after each prompt [n, V]."""
+        n, T = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros((n, T), dtype=torch.long)
+        for j, p in enumerate(prompts):
+            ids[j, : len(p)] = torch.tensor(p)
+        ids = ids.to(self.device)
+        rows_t = torch.tensor(rows, device=self.device)
+        x = self.inner.embed_tokens(ids)
+        position_ids = torch.arange(T, device=self.device).unsqueeze(0).expand(n, T)
+        cos, sin = self.inner.rotary_emb(x, position_ids)
+        for i, layer in enumerate(self.inner.layers):
+            q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
+            self.k[i][rows_t, :, :T] = k  # right padding: masked by position until overwritten
+            self.v[i][rows_t, :, :T] = v
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
+            x = self._finish_layer(layer, x, o.transpose(1, 2).reshape(n, T, self.n_heads * self.head_dim))
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        h = self.inner.norm(x[torch.arange(n, device=self.device), last])
+        return self.model.get_output_embeddings()(h).to(self.score_dtype)
+
+    # -- the loop ---------------------------------------------------------------------
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, temperature: float, top_p: float, gen) -> torch.Tensor:
+        if temperature <= 0:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(logits / temperature, dim=-1)
+        if top_p < 1.0:  # keep the smallest set of tokens whose probability reaches top_p
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop = sorted_p.cumsum(dim=-1) - sorted_p > top_p
+            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        return torch.multinomial(probs, 1, generator=gen)[:, 0]
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], end_ids, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, progress=lambda prompts, tokens: None) -> list[tuple[list[int], str]]:
+        """Decode every prompt; returns (generated ids incl. the end token if any, "stop" | "length") per prompt.
+
+        ``max_new_tokens``: one limit, or one per prompt. A prompt plus its limit must fit the cache
+        capacity. ``progress(prompts, tokens)`` is called as prompts finish, with the tokens
+        generated since the last call.
+        """
+        end_ids = set(int(e) for e in end_ids)
+        limits = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [int(max_new_tokens)] * len(prompts)
+        too_long = [i for i, p in enumerate(prompts) if len(p) + limits[i] > self.capacity]
+        if too_long:
+            raise ValueError(f"batched decoding: prompt {too_long[0]} ({len(prompts[too_long[0]])} tokens) + "
+                             f"{limits[too_long[0]]} new tokens exceed the cache capacity {self.capacity}")
+        gen = None
+        if temperature > 0:
+            gen = torch.Generator(device=self.device).manual_seed(int(seed))
+        out: list[list[int]] = [[] for _ in prompts]
+        finish = ["length"] * len(prompts)
+        owner = [-1] * self.slots  # request of each row, -1: free
+        queue, free = deque(range(len(prompts))), list(range(self.slots))
+        refill_at = max(1, self.slots // 8)  # prefill in groups: fewer, larger prefills
+        pending_tokens = 0
+
+        def add(row: int, token: int) -> bool:
+            """Append ``token`` to the request in ``row``; True if the request is finished."""
+            nonlocal pending_tokens
+            req = owner[row]
+            out[req].append(token)
+            pending_tokens += 1
+            if token in end_ids:
+                finish[req] = "stop"
+                return True
+            return len(out[req]) >= limits[req]
+
+        def release(row: int) -> None:
+            nonlocal pending_tokens
+            owner[row] = -1
+            free.append(row)
+            progress(1, pending_tokens)
+            pending_tokens = 0
+
+        while queue or any(o >= 0 for o in owner):
+            if queue and (len(free) >= min(refill_at, len(queue)) or all(o < 0 for o in owner)):
+                take, budget = [], self.prefill_tokens
+                while queue and free and (not take or budget >= len(prompts[queue[0]])):
+                    req = queue.popleft()
+                    take.append((free.pop(), req))
+                    budget -= len(prompts[req])
+                rows = [r for r, _ in take]
+                first = self._choose(self._prefill(rows, [prompts[q] for _, q in take]), temperature, top_p, gen)
+                first_list = first.tolist()
+                for (row, req), tok in zip(take, first_list):
+                    owner[row] = req
+                    if add(row, tok):
+                        release(row)
+                rows_t = torch.tensor(rows, device=self.device)
+                self.ids[rows_t] = first
+                self.pos[rows_t] = torch.tensor([len(prompts[q]) for _, q in take], device=self.device)
+                continue
+            busy = [r for r in range(self.slots) if owner[r] >= 0]
+            n = self._bucket(len(busy))
+            if n == self.slots:
+                rows = list(range(self.slots))
+                nxt = self._choose(self._step(n), temperature, top_p, gen)
+                self.ids.copy_(nxt)
+                self.pos.add_(1).clamp_(max=self.capacity - 1)  # free rows decode garbage in their own row
+            else:  # few busy rows (the tail): compute only them, padded with a free row
+                rows = busy + [free[0]] * (n - len(busy))
+                idx = torch.tensor(rows, device=self.device)
+                self.active[:n] = idx
+                nxt = self._choose(self._step(n), temperature, top_p, gen)
+                self.ids[idx] = nxt
+                self.pos[idx] = (self.pos[idx] + 1).clamp_(max=self.capacity - 1)
+            for row, tok in zip(rows, nxt.tolist()):
+                if owner[row] >= 0 and add(row, tok):
+                    release(row)
+        return list(zip(out, finish))
