@@ -81,3 +81,21 @@ def test_batched_backend_expands_like_the_embedded_one(random_target, tmp_path):
     pd.testing.assert_frame_equal(a[cols], b[cols])
     assert [list(x) for x in a["token_ids"]] == [list(x) for x in b["token_ids"]]
     assert (a["num_new_tokens"] > 0).all()
+
+
+def test_top_p_keeps_the_tokens_transformers_keeps():
+    """Sampling's support: the tokens top_p_filter leaves probability on are those transformers'
+    TopPLogitsWarper keeps (random logits, several thresholds), at least one always; samples stay in it."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    from dflashpipe.slot_decode import top_p_filter
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g, dtype=torch.float64) * 3
+    for top_p in (0.05, 0.5, 0.9, 0.999):
+        ours = top_p_filter(torch.softmax(logits, dim=-1), top_p) > 0
+        theirs = torch.isfinite(TopPLogitsWarper(top_p)(None, logits.clone()))
+        assert torch.equal(ours, theirs), top_p
+        assert ours.any(dim=-1).all() and not ours.all()
+        samples = {int(SlotDecoder._choose(logits, 1.0, top_p, torch.Generator().manual_seed(k))[0]) for k in range(30)}
+        assert all(ours[0, t] for t in samples)

@@ -369,10 +369,11 @@ def test_static_target_step_decodes_what_the_dynamic_one_does(which, request):
     tol = dict(atol=1e-9, rtol=1e-9) if which == "sharp" else dict(atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits, ref_logits, **tol)
     torch.testing.assert_close(feats, ref_feats, **tol)
+    ar_static = ARDecoder(target, eos, runner=StaticTargetRunner(target, capacity=256))  # reused for every prompt
     for p in PROMPTS.values():
         prompt = encode(tok, p)
         a_dyn = ARDecoder(target, eos).generate(prompt, 24)
-        a_sta = ARDecoder(target, eos, runner=StaticTargetRunner(target, capacity=256)).generate(prompt, 24)
+        a_sta = ar_static.generate(prompt, 24)
         assert a_sta.tokens == a_dyn.tokens
         d_dyn = DFlashDecoder(target, drafter, cfg, eos).generate(prompt, 24)
         d_sta = DFlashDecoder(target, drafter, cfg, eos, runner=static, draft_runner=draft).generate(prompt, 24)

@@ -23,6 +23,7 @@ does not return them).
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import shutil
@@ -177,19 +178,29 @@ def _open_batched(target_path: str, s: ExpandSettings, device: str, server: Serv
         ids, skip = _chunk_prompts(tokenizer, rows, s, context)
         progress(sum(r is not None for r in skip), 0)
         todo = [i for i, r in enumerate(skip) if not r]
-        requests = [i for i in todo for _ in range(s.num_samples)]
+        # shortest prompts first, as the embedded backend: prefill groups with little padding
+        requests = [i for i in sorted(todo, key=lambda i: len(ids[i])) for _ in range(s.num_samples)]
         need = max((len(ids[i]) for i in todo), default=0) + s.max_new_tokens
         if requests and (decoder is None or decoder.capacity < need):
             capacity = -(-need // 256) * 256  # room for the longest prompt of this chunk, in steps of 256
             slots = s.batch_size
+            decoder = None  # a smaller cache is given back before the larger one is sized
             if device.startswith("cuda"):  # the cache may take 85% of what is free
-                free = torch.cuda.mem_get_info()[0] - (0 if decoder is None else sum(t.numel() * t.element_size() for t in decoder.k + decoder.v))
-                decoder = None
+                gc.collect()
+                torch.cuda.empty_cache()
+                free = torch.cuda.mem_get_info(torch.device(device))[0]
                 slots = max(1, min(slots, int(0.85 * free) // (capacity * kv_bytes_per_token(model))))
             decoder = SlotDecoder(model, slots, capacity)
             log(f"batched decoding: {slots} rows x {capacity} positions of KV cache ({decoder.mode})")
+        finished = 0
+
+        def request_done(n: int, tokens: int) -> None:  # progress counts prompts: a prompt is done with its last sample
+            nonlocal finished
+            before, finished = finished // s.num_samples, finished + n
+            progress(finished // s.num_samples - before, tokens)
+
         results = decoder.generate([ids[i] for i in requests], s.max_new_tokens, end_ids, s.temperature, s.top_p,
-                                   chunk_seed, progress) if requests else []
+                                   chunk_seed, request_done) if requests else []
         out, new_tokens, sample = [], 0, {}
         for i, reason in enumerate(skip):
             if reason:
@@ -268,7 +279,7 @@ def _open_openai(target_path: str, s: ExpandSettings, device: str, server: Serve
                             "token_ids": rec["token_ids"]})
         if backend.ids_missing and not warned:
             warned = True
-            log(f"the server returns no generated token ids: token_ids is null for its replies "
+            log("the server returns no generated token ids: token_ids is null for its replies "
                 "(tokenize re-tokenizes their text; tokenized/stats.json counts them)")
         return out, new_tokens
 

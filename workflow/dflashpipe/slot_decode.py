@@ -22,8 +22,9 @@ The weights are the model's own modules (embedding, norms, projections, MLP, LM
 head); the attention and RoPE are the standard Llama/Qwen2/Qwen3 formulas, so
 greedy outputs equal transformers' (a CPU test checks token for token). Token
 choice happens outside the graph: greedy argmax, or temperature / top-p sampling
-from a seeded generator (reproducible for a given set of prompts: resumable per
-chunk).
+from a seeded generator (the same prompts, rows and seed draw the same samples;
+a chunk generated again after a kill is a valid sample, not necessarily the same
+one when the number of rows differs).
 """
 
 from __future__ import annotations
@@ -45,7 +46,14 @@ def unsupported_reason(model) -> str | None:
     types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
     if types != {"full_attention"} or getattr(cfg, "use_sliding_window", False):
         return "sliding-window layers"
-    return None
+    return host_synced_rope(cfg)
+
+
+def host_synced_rope(cfg) -> str | None:
+    """RoPE types whose frequencies are updated from the host by position (no CUDA-graph capture)."""
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    return f"RoPE type {kind!r} (its frequencies depend on the sequence length)" if kind in ("dynamic", "longrope") else None
 
 
 def kv_bytes_per_token(model) -> int:
@@ -53,6 +61,16 @@ def kv_bytes_per_token(model) -> int:
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     return 2 * cfg.num_hidden_layers * n_kv * head_dim * next(model.parameters()).element_size()
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [n, V] with all but the smallest set of most likely tokens reaching ``top_p`` zeroed
+    (at least one token kept: transformers' top-p rule)."""
+    if top_p >= 1.0:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    drop = sorted_p.cumsum(dim=-1) - sorted_p > top_p  # everything after the set has reached top_p
+    return probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
 
 
 def _rotate_half(x):
@@ -197,11 +215,7 @@ class SlotDecoder:
         if temperature <= 0:
             return logits.argmax(dim=-1)
         probs = torch.softmax(logits / temperature, dim=-1)
-        if top_p < 1.0:  # keep the smallest set of tokens whose probability reaches top_p
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            drop = sorted_p.cumsum(dim=-1) - sorted_p > top_p
-            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        return torch.multinomial(probs, 1, generator=gen)[:, 0]
+        return torch.multinomial(top_p_filter(probs, top_p), 1, generator=gen)[:, 0]
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], end_ids, temperature: float = 0.0,
@@ -248,11 +262,12 @@ class SlotDecoder:
 
         while queue or any(o >= 0 for o in owner):
             if queue and (len(free) >= min(refill_at, len(queue)) or all(o < 0 for o in owner)):
-                take, budget = [], self.prefill_tokens
-                while queue and free and (not take or budget >= len(prompts[queue[0]])):
+                take, longest = [], 0  # a group costs (its size) x (its longest prompt): padding included
+                while queue and free and (not take or (len(take) + 1) * max(longest, len(prompts[queue[0]]))
+                                          <= self.prefill_tokens):
                     req = queue.popleft()
                     take.append((free.pop(), req))
-                    budget -= len(prompts[req])
+                    longest = max(longest, len(prompts[req]))
                 rows = [r for r, _ in take]
                 first = self._choose(self._prefill(rows, [prompts[q] for _, q in take]), temperature, top_p, gen)
                 first_list = first.tolist()

@@ -67,7 +67,9 @@ def supports_static(model) -> str | None:
     types = set(_layer_types(model.model))
     if types != {"full_attention"}:
         return f"layer types {sorted(types)} (only full attention is supported)"
-    return None
+    from dflashpipe.slot_decode import host_synced_rope
+
+    return host_synced_rope(model.config)
 
 
 class StaticTargetRunner:
@@ -92,7 +94,7 @@ class StaticTargetRunner:
         self.key_pos = torch.arange(self.cache.capacity, device=self.device)
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
         self.graph_sizes = tuple(sorted(set(int(t) for t in graph_sizes)))
-        self._graphs: dict[tuple[int, bool], tuple] = {}
+        self._graphs: dict[tuple[int, bool], list] = {}  # (T, features) -> [graph, ids, pos, outputs]
         # compile: Inductor fuses each layer's norms, RoPE and SwiGLU before the capture (fewer, larger kernels);
         # only for the captured steps (uncaptured calls have varying lengths: the prefill, and the CPU)
         compile = compile and self.cuda_graphs
@@ -124,23 +126,32 @@ class StaticTargetRunner:
         logits = self.lm_head(h[:, -1:] if last_only else h)[0].float()
         return logits, (torch.cat([feats[i] for i in self.layer_ids], dim=-1) if features else None)
 
-    def _graph(self, T: int, features: bool):
-        """Capture (once) the step of T tokens; returns (graph, ids buffer, pos buffer, outputs)."""
-        key = (T, features)
-        if key not in self._graphs:
-            ids = torch.zeros((1, T), dtype=torch.long, device=self.device)
-            pos = torch.arange(T, device=self.device)
+    def _replay(self, ids: torch.Tensor, start: int, features: bool):
+        """The captured step of T = ids.shape[1] tokens at positions start.. (captured at its first call).
+
+        The inputs are copied into the graph's buffers first, also before the capture: its warm-up
+        runs then write exactly the keys/values the step must write, never a placeholder's.
+        """
+        T, key = ids.shape[1], (ids.shape[1], features)
+        new = key not in self._graphs
+        if new:
+            self._graphs[key] = [None, torch.zeros((1, T), dtype=torch.long, device=self.device),
+                                 torch.zeros(T, dtype=torch.long, device=self.device), None]
+        entry = self._graphs[key]
+        entry[1].copy_(ids)
+        entry[2].copy_(torch.arange(start, start + T, device=self.device))
+        if new:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm-up outside the capture (lazy inits, cuBLAS handles)
+            with torch.cuda.stream(stream):  # warm-up outside the capture (lazy inits, cuBLAS handles, compiling)
                 for _ in range(3):
-                    self._captured_step(ids, pos, features, last_only=False)
+                    self._captured_step(entry[1], entry[2], features, last_only=False)
             torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outputs = self._captured_step(ids, pos, features, last_only=False)
-            self._graphs[key] = (graph, ids, pos, outputs)
-        return self._graphs[key]
+            entry[0] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(entry[0]):
+                entry[3] = self._captured_step(entry[1], entry[2], features, last_only=False)
+        entry[0].replay()
+        return entry[3]
 
     # -- TargetRunner's interface ------------------------------------------------
 
@@ -156,10 +167,7 @@ class StaticTargetRunner:
         if start + T > self.cache.capacity:
             raise ValueError(f"static target step: positions up to {start + T} exceed the cache capacity {self.cache.capacity}")
         if self.cuda_graphs and T in self.graph_sizes:
-            graph, ids_buf, pos_buf, (logits, feats) = self._graph(T, features)
-            ids_buf.copy_(ids)
-            pos_buf.copy_(torch.arange(start, start + T, device=self.device))
-            graph.replay()
+            logits, feats = self._replay(ids, start, features)
             return (logits[-1:] if last_only else logits), feats
         pos = torch.arange(start, start + T, device=self.device)
         return self._step(ids, pos, features, last_only)
