@@ -187,6 +187,10 @@ class Pipeline:
         """Sampling seed of the expansion; greedy decoding ignores it, so a new seed reruns nothing."""
         return self.config["seed"] if self.config["expand"]["temperature"] > 0 else 0
 
+    def expand_gpus(self) -> int:
+        """GPU slots an expansion job holds: none when an OpenAI-compatible server generates."""
+        return 0 if self.config["expand"]["backend"] == "openai" else 1
+
     def chat_template_kwargs(self) -> dict:
         return canonical(self.config["expand"]["chat_template_kwargs"])
 

@@ -16,7 +16,7 @@ rule expand_shard:
         "../../envs/torch.yaml"
     threads: config["expand"]["threads"]
     resources:
-        gpu=1,
+        gpu=pipeline.expand_gpus(),
     params:
         settings=pipeline.result_params("expand"),
         n_shards=config["expand"]["shards"],
