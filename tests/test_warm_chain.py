@@ -115,6 +115,48 @@ def test_operational_settings_rerun_nothing(mini_run):
     assert planned_rules(work, "--configfile", str(write_config(work / "ops.yaml", cfg))) == {}
 
 
+def _change_result_keys(section: dict, values: dict) -> list[str]:
+    """A new valid value for every key of a schema section that changes results (neither x-operational
+    nor x-compile; lists and free strings left out); returns the keys changed."""
+    changed = []
+    for key, sub in section["properties"].items():
+        if sub.get("x-operational") or sub.get("x-compile") or "properties" in sub:
+            continue
+        old = values.get(key, sub.get("default"))
+        types = sub["type"] if isinstance(sub["type"], list) else [sub["type"]]
+        if "enum" in sub:
+            new = next(v for v in sub["enum"] if v != old)
+        elif "boolean" in types:
+            new = not old
+        elif "integer" in types:
+            new = 1000 if old is None else old + 1
+        elif "number" in types:
+            new = old / 2 if old else 0.5
+        else:
+            continue
+        values[key] = new
+        changed.append(key)
+    return changed
+
+
+@pytest.mark.parametrize("section, dependent", [
+    ("train", {"train", "evaluate", "tables", "plots"}),
+    ("evaluate", {"evaluate", "tables", "plots"}),
+])
+def test_result_settings_rerun_exactly_the_dependent_jobs(mini_run, section, dependent):
+    """Every result-changing key of a section (from the schema), all changed at once: the jobs that
+    read the section and those downstream are planned, nothing upstream or beside them."""
+    from dflashpipe.config import load_schema, result_params
+
+    work, _ = mini_run
+    cfg = mini_config()
+    keys = _change_result_keys(load_schema()["properties"][section], cfg[section])
+    assert len(keys) >= 5, keys
+    assert set(keys) <= set(result_params(cfg, section))  # each one is in the params of the rule that reads it
+    planned = planned_rules(work, "--configfile", str(write_config(work / f"{section}_results.yaml", cfg)))
+    assert set(planned) - {"all"} == dependent, (keys, planned)
+
+
 def test_stale_stamp_makes_the_shard_fail_with_the_reason(mini_copy):
     work, cfg = mini_copy
     stamp_path = work / "results/warm/slot1.json"
