@@ -76,3 +76,34 @@ def test_target_path_that_is_not_a_model(mini_run, tmp_path):
     assert res.returncode != 0
     assert "target.path:" in res.stderr and "has no config.json" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_moving_the_checkout_reruns_nothing(tmp_path):
+    """A checkout run in place (results inside it), then moved or renamed: nothing is planned again.
+    (Snakemake keys a job's input set by path strings: the code inputs are relative to the checkout.)"""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import REPO, snakemake_env
+
+    first = tmp_path / "checkout"
+    first.mkdir()
+    for item in ("Snakefile", "workflow", "profiles", "envs"):
+        src = REPO / item
+        (shutil.copytree(src, first / item, ignore=shutil.ignore_patterns("__pycache__"))
+         if src.is_dir() else shutil.copy(src, first / item))
+    write_config(first / "config.yaml", mini_config())
+    target = "results/tokenized/stats.json"  # prompts, tiny target, expansion, tokenize: the costly upstream
+
+    def run(where, *args):
+        return subprocess.run([sys.executable, "-m", "snakemake", target, "--configfile", "config.yaml", *args],
+                              cwd=where, env=snakemake_env(), capture_output=True, text=True, timeout=600)
+
+    res = run(first, "--cores", "2")
+    assert res.returncode == 0, res.stderr[-3000:]
+    moved = tmp_path / "renamed"
+    first.rename(moved)
+    res = run(moved, "-n", "--quiet", "rules")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "Job stats:" not in res.stdout + res.stderr, (res.stdout + res.stderr)[-2000:]

@@ -127,8 +127,15 @@ class Pipeline:
 
     # -- code inputs ------------------------------------------------------------------
     def lib_code(self, script: str) -> list[str]:
-        """Library source files the stage's script imports (transitively): edits to them rerun the stage."""
-        return script_closure(self.lib, self.scripts / script)
+        """Library source files the stage's script imports (transitively): edits to them rerun the stage.
+
+        Relative to the working directory when the repository is inside it (the usual run from the
+        checkout): Snakemake keys a job's input set by these strings, so absolute paths would rerun
+        every stage when the checkout, results included, is moved.
+        """
+        cwd = Path.cwd()
+        files = script_closure(self.lib, self.scripts / script)
+        return [os.path.relpath(f, cwd) if Path(f).is_relative_to(cwd) else f for f in files]
 
     # -- datasets ---------------------------------------------------------------------
     def repo_path(self, p: str) -> str:
