@@ -126,7 +126,9 @@ def test_server_expansion_matches_the_embedded_backend(server, served_target, pr
 
     # tokenize: the embedded replies carry ids (some re-tokenize differently), the server's do not
     st_a = tokenize_expanded({"math": str(emb)}, str(served_target), 2, [512], str(tmp_path / "ta"), str(tmp_path / "a.json"),
-                             log=lambda m: None)
+                             reply_ids="generated", log=lambda m: None)
+    st_text = tokenize_expanded({"math": str(emb)}, str(served_target), 2, [512], str(tmp_path / "tt"),
+                                str(tmp_path / "t.json"), log=lambda m: None)  # the default: the text, differences counted
     st_b = tokenize_expanded({"math": str(srv)}, str(served_target), 2, [512], str(tmp_path / "tb"), str(tmp_path / "b.json"),
                              log=lambda m: None)
     ga, gb = st_a["generated_ids"], st_b["generated_ids"]
@@ -134,6 +136,8 @@ def test_server_expansion_matches_the_embedded_backend(server, served_target, pr
     assert ga["retokenized_differently"] == ga["used_generated_ids"] + ga["kept_retokenized_text"]
     assert ga["retokenized_differently"] > 0, "random weights emit partial UTF-8 sequences: some replies must differ"
     assert gb["replies_with_ids"] == 0 and gb["replies_without_ids"] > 0
+    gt = st_text["generated_ids"]
+    assert gt["used_generated_ids"] == 0 and gt["retokenized_differently"] == ga["retokenized_differently"]
     assert json.loads((tmp_path / "a.json").read_text())["generated_ids"] == ga
 
 

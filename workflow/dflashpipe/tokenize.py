@@ -56,18 +56,19 @@ def _reply_end(tokenizer, messages, full, kwargs) -> tuple[int, int]:
 
 
 def encode_chat(tokenizer, messages: list[dict], max_length: int, chat_template_kwargs: dict | None = None,
-                cut: bool = False, reply_ids: list[int] | None = None, info: dict | None = None):
+                cut: bool = False, reply_ids: list[int] | None = None, info: dict | None = None,
+                use_reply_ids: bool = True):
     """Return (input_ids, loss_mask, untruncated_length) for a chat ending in the assistant reply.
 
     ``cut``: the reply was cut at the length limit; the tokens the template adds
     after it (end of turn) get no loss. Raises ValueError if the template renders
     the open reply differently from the closed one (then it cannot be masked).
-    ``reply_ids``: the ids the target generated for the reply, if known; they
-    replace the re-tokenized reply when the two differ and the template renders
-    the reply text verbatim. ``info`` (a dict, optional) gets ``ids``: ``none``
-    (no generated ids), ``same``, ``generated`` (differed: the generated ids are
-    used) or ``retokenized`` (differed, but the template rewrites the reply: the
-    re-tokenized text is kept).
+    ``reply_ids``: the ids the target generated for the reply, if known; with
+    ``use_reply_ids`` they replace the re-tokenized reply when the two differ and
+    the template renders the reply text verbatim (without, they are only compared).
+    ``info`` (a dict, optional) gets ``ids``: ``none`` (no generated ids),
+    ``same``, ``generated`` (differed: the generated ids are used) or
+    ``retokenized`` (differed; the re-tokenized text is kept).
     """
     kwargs = chat_template_kwargs or {}
     if not messages or messages[-1]["role"] != "assistant":
@@ -88,7 +89,7 @@ def encode_chat(tokenizer, messages: list[dict], max_length: int, chat_template_
             verbatim = (content_end >= start and (not cut or content_end == open_len)
                         and tokenizer.decode(full[start:content_end], skip_special_tokens=True) == content
                         and tokenizer.decode(reply_ids, skip_special_tokens=True) == content)
-            if verbatim:
+            if verbatim and use_reply_ids:
                 full = full[:start] + reply_ids + full[content_end:]
                 # a cut reply: the closing of the turn was never generated, so it gets no loss
                 end = start + len(reply_ids) if cut else len(full)
@@ -121,9 +122,17 @@ def tokenize_expanded(
     stats_path: str,
     chat_template_kwargs: dict | None = None,
     cut_replies: str = "mask_end",
+    reply_ids: str = "text",
     log=print,
 ) -> dict:
-    """Tokenize every expanded dataset into ONE ``datasets`` dataset on disk, plus a stats JSON."""
+    """Tokenize every expanded dataset into ONE ``datasets`` dataset on disk, plus a stats JSON.
+
+    ``reply_ids`` (``tokenize.reply_ids``): ``text`` trains on the re-tokenized reply text and
+    counts the replies whose generated ids differ; ``generated`` uses the generated ids for them
+    where the template renders the reply verbatim. (On the embedded default, 10% of the replies
+    differ, and training on their generated ids lowered held-out accuracy 0.800 -> 0.772 and
+    DFlash tau on held-out math 5.29 -> 4.59: hence ``text`` by default.)
+    """
     import datasets
     from tqdm import tqdm
 
@@ -135,6 +144,8 @@ def tokenize_expanded(
     min_loss_tokens = 2 * block_size
     if cut_replies not in ("mask_end", "drop"):
         raise UserError(f"tokenize.cut_replies: {cut_replies!r} is not one of mask_end, drop")
+    if reply_ids not in ("text", "generated"):
+        raise UserError(f"tokenize.reply_ids: {reply_ids!r} is not one of text, generated")
     records, dropped, truncated, cut_masked = [], Counter(), 0, 0
     id_outcomes = Counter()  # encode_chat's info["ids"] per tokenized reply
     per_dataset = {}
@@ -159,7 +170,8 @@ def tokenize_expanded(
             info = {}
             try:
                 ids, mask, full_len = encode_chat(tokenizer, messages, max_length, chat_template_kwargs, cut=cut,
-                                                  reply_ids=None if gen is None else list(gen), info=info)
+                                                  reply_ids=None if gen is None else list(gen), info=info,
+                                                  use_reply_ids=reply_ids == "generated")
             except ValueError:
                 dropped["cut_reply_not_maskable"] += 1
                 continue
@@ -219,8 +231,11 @@ def tokenize_expanded(
                         "dropped": int(dropped["cut_reply"] + dropped["cut_reply_not_maskable"])},
         "chat_template_kwargs": dict(chat_template_kwargs or {}),
         "generated_ids": {
-            "rule": "a reply whose re-tokenized text differs from the ids the target generated gets the generated "
-                    "ids when the chat template renders the reply verbatim; otherwise the re-tokenized text is kept",
+            "rule": ("a reply whose re-tokenized text differs from the ids the target generated gets the generated "
+                     "ids when the chat template renders the reply verbatim; otherwise the re-tokenized text is kept"
+                     if reply_ids == "generated" else
+                     "the re-tokenized reply text is trained on; replies whose generated ids differ are counted"),
+            "tokenize.reply_ids": reply_ids,
             "replies_with_ids": int(sum(v for k, v in id_outcomes.items() if k != "none")),
             "replies_without_ids": int(id_outcomes["none"]),
             "retokenized_differently": int(id_outcomes["generated"] + id_outcomes["retokenized"]),

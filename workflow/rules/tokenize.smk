@@ -17,6 +17,7 @@ rule tokenize:
         block_size=config["drafter"]["block_size"],
         buckets=config["tokenize"]["buckets"],
         cut_replies=config["tokenize"]["cut_replies"],
+        reply_ids=config["tokenize"]["reply_ids"],
         chat_template_kwargs=pipeline.chat_template_kwargs(),
     script:
         "../scripts/tokenize.py"

@@ -11,5 +11,6 @@ with job(snakemake.log[0], threads=snakemake.threads, name="tokenize") as log:
         snakemake.output.stats,
         chat_template_kwargs=snakemake.params.chat_template_kwargs,
         cut_replies=snakemake.params.cut_replies,
+        reply_ids=snakemake.params.reply_ids,
         log=log,
     )
