@@ -34,6 +34,8 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
+from dflashpipe.cuda_graph import capture
+
 #: model types whose layers follow the Llama layout this module writes out
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -163,17 +165,8 @@ class SlotDecoder:
         """The decode step for ``n`` rows (one captured graph per row count)."""
         if not self.cuda_graphs:
             return self._decode_step(n)
-        if n not in self._graphs:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm-up outside the capture
-                for _ in range(2):
-                    self._decode_step(n)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                logits = self._decode_step(n)
-            self._graphs[n] = (graph, logits)
+        if n not in self._graphs:  # the warm-ups decode the real rows: writing their K/V twice is harmless
+            self._graphs[n] = capture(lambda: self._decode_step(n), self.device)
         graph, logits = self._graphs[n]
         graph.replay()
         return logits

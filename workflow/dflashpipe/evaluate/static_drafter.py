@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from dflashpipe.cuda_graph import capture
+
 
 class StaticDrafterRunner:
     def __init__(self, drafter, embed, lm_head, mask_token_id: int, capacity: int, cuda_graphs: bool | None = None):
@@ -78,16 +80,7 @@ class StaticDrafterRunner:
         if not self.cuda_graphs:
             return fn()
         if name not in self._graphs:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm-up outside the capture
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = fn()
-            self._graphs[name] = (graph, out)
+            self._graphs[name] = capture(fn, self.device)
         graph, out = self._graphs[name]
         graph.replay()
         return out

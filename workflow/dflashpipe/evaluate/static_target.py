@@ -32,6 +32,7 @@ import inspect
 
 import torch
 
+from dflashpipe.cuda_graph import capture
 from dflashpipe.drafter.features import _layer_types, has_standard_layout
 
 
@@ -141,15 +142,8 @@ class StaticTargetRunner:
         entry[1].copy_(ids)
         entry[2].copy_(torch.arange(start, start + T, device=self.device))
         if new:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm-up outside the capture (lazy inits, cuBLAS handles, compiling)
-                for _ in range(3):
-                    self._captured_step(entry[1], entry[2], features, last_only=False)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            entry[0] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(entry[0]):
-                entry[3] = self._captured_step(entry[1], entry[2], features, last_only=False)
+            entry[0], entry[3] = capture(lambda: self._captured_step(entry[1], entry[2], features, last_only=False),
+                                         self.device, warmups=3)
         entry[0].replay()
         return entry[3]
 

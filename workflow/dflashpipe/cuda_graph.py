@@ -1,0 +1,21 @@
+"""Capture a step as a CUDA graph: the one routine the decoders share (slot_decode, evaluate.static_*)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def capture(fn, device, warmups: int = 2):
+    """Run ``fn()`` ``warmups`` times on a side stream (lazy inits, cuBLAS handles, compiling), then
+    capture one call; returns (graph, outputs). ``graph.replay()`` reruns it on the same buffers, so
+    ``fn`` must read and write only tensors that outlive the graph (its outputs are static too)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
