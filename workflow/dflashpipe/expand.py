@@ -38,6 +38,7 @@ from dflashpipe.atomic import atomic_path, write_json
 from dflashpipe.data import read_parquet, screen_prompt, target_context
 from dflashpipe.errors import UserError
 from dflashpipe.expand_openai import ServerSettings
+from dflashpipe.target import end_token_ids
 
 
 @dataclass
@@ -87,10 +88,7 @@ def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chu
     ]
     progress(sum(r is not None for r in skip), 0)
     order = sorted((i for i in range(len(texts)) if not skip[i]), key=lambda i: lengths[i])  # less padding per batch
-    # every end token the target stops at (tokenizer and generation config): a reply ended by any
-    # of them is finished, not cut at the length limit
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    eos_ids = {tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])} - {None}
+    eos_ids = set(end_token_ids(tokenizer, getattr(model, "generation_config", None)))
     new_tokens = 0
     for start in range(0, len(order), s.batch_size):
         idx = order[start : start + s.batch_size]
@@ -130,12 +128,6 @@ def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chu
     return out, new_tokens
 
 
-def _end_ids(tokenizer, generation_config) -> set[int]:
-    """Every end token the target stops at (tokenizer and generation config), as the embedded backend uses."""
-    gen_eos = getattr(generation_config, "eos_token_id", None)
-    return {tokenizer.eos_token_id, *(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])} - {None}
-
-
 def _open_embedded(target_path: str, s: ExpandSettings, device: str, server: ServerSettings, log):
     """The target in this process: batched ``generate`` with a KV cache (:func:`_generate_chunk`)."""
     from dflashpipe.target import load_target
@@ -170,7 +162,7 @@ def _open_batched(target_path: str, s: ExpandSettings, device: str, server: Serv
     why = unsupported_reason(model)
     if why:
         raise UserError(f"expand.backend: batched cannot run {target_path}: {why}; use backend: embedded (or auto)")
-    end_ids, context = _end_ids(tokenizer, getattr(model, "generation_config", None)), target_context(model)
+    end_ids, context = set(end_token_ids(tokenizer, getattr(model, "generation_config", None))), target_context(model)
     decoder = None
 
     def generate(rows, chunk_seed, progress):
@@ -254,7 +246,7 @@ def _open_openai(target_path: str, s: ExpandSettings, device: str, server: Serve
     except OSError:  # no generation_config.json: what transformers derives from config.json, as for the model
         gen_config = GenerationConfig.from_model_config(model_config)
     context = target_context(SimpleNamespace(config=model_config))
-    backend = OpenAIBackend(server, tokenizer, target_path, s, _end_ids(tokenizer, gen_config), log=log)
+    backend = OpenAIBackend(server, tokenizer, target_path, s, set(end_token_ids(tokenizer, gen_config)), log=log)
     warned = False
 
     def generate(rows, chunk_seed, progress):

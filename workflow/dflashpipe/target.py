@@ -162,3 +162,16 @@ def resolve_mask_token(path: str, configured: int | None = None, field: str = "d
         f"tokens) and no reserved special token; set {field} to a token id it never needs to predict, e.g. a special "
         f"token its chat template does not use: {listed}"
     )
+
+
+def end_token_ids(tokenizer=None, generation_config=None) -> list[int]:
+    """Every id the target stops at: the tokenizer's eos and the generation config's (int or list).
+
+    A reply ended by any of them is finished, not cut at the length limit (expansion, evaluation).
+    """
+    ids: list[int] = []
+    for val in (getattr(tokenizer, "eos_token_id", None), getattr(generation_config, "eos_token_id", None)):
+        for v in val if isinstance(val, (list, tuple)) else [val]:
+            if v is not None and int(v) not in ids:
+                ids.append(int(v))
+    return ids

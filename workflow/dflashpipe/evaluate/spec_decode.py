@@ -172,15 +172,10 @@ def sync(device) -> None:
 
 
 def eos_ids_of(tokenizer=None, model=None) -> list[int]:
-    """All stop ids: the tokenizer's eos and the generation config's eos (int or list)."""
-    ids: list[int] = []
-    for val in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
-        if val is None:
-            continue
-        for v in val if isinstance(val, (list, tuple)) else [val]:
-            if v is not None and int(v) not in ids:
-                ids.append(int(v))
-    return ids
+    """All stop ids of a target model: :func:`dflashpipe.target.end_token_ids` of its generation config."""
+    from dflashpipe.target import end_token_ids
+
+    return end_token_ids(tokenizer, getattr(model, "generation_config", None))
 
 
 def new_dynamic_cache(model):
