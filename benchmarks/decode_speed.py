@@ -25,8 +25,12 @@ like chat replies: lognormal, median 300, capped at 1,024):
   ``--batch``, a batch runs to its longest member), useful tokens/s;
 * ``batched``: the ``batched`` expansion backend (continuous batching over a
   static slotted KV cache, CUDA-graph decode step: :mod:`dflashpipe.slot_decode`),
-  useful tokens/s and the decode step's time with every row busy, per ``--slots``,
-  on the same prompts and on more of them (``--batched-prompts``: a run of 256
+  useful tokens/s, the steps taken by rows computed, and the decode step's time
+  with every row busy (at the run's mean position and at the cache's end) with
+  the bytes it reads and their fraction of the measured copy bandwidth, per
+  ``--slots`` entry (rows[:attention[:compiled]]: flex, the GPU default, reads
+  each row's live positions only; dense reads the whole capacity; compiled runs
+  Inductor on the full step), each step size's time, on the same prompts and on more of them (``--batched-prompts``: a run of 256
   prompts lasts at least as many steps as its longest reply, 1,024, most of them
   with few rows busy; a corpus of many prompts keeps the rows full);
 * ``continuous``: transformers' continuous batching (``init_continuous_batching``:
@@ -40,6 +44,7 @@ like chat replies: lognormal, median 300, capped at 1,024):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -216,28 +221,52 @@ def continuous(target, prompts, lengths, dev, cb_kwargs: dict, timeout: float) -
     return res
 
 
-def batched(target, prompts, lengths, dev, slots: int) -> dict:
+def batched(target, prompts, lengths, dev, slots: int, attention: str, compile: bool, bandwidth: float | None) -> dict:
     """The ``batched`` expansion backend's decoder (:mod:`dflashpipe.slot_decode`), one limit per request."""
-    from dflashpipe.slot_decode import SlotDecoder
+    from dflashpipe.slot_decode import SlotDecoder, kv_bytes_per_token
 
     if torch.device(dev).type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     capacity = -(-(max(len(p) for p in prompts) + max(lengths)) // 256) * 256
     t0 = time.perf_counter()
-    dec = SlotDecoder(target, slots, capacity)
-    warm = dec.generate(prompts[:slots], [2] * min(slots, len(prompts)), [])  # captures the step's graph
+    dec = SlotDecoder(target, slots, capacity, attention=attention, compile=compile)
+    # compiles and captures every step the run will take: rows finish one after another (all row counts)
+    warm_lengths = [2 + i * 64 // slots for i in range(min(slots, len(prompts)))]
+    dec.generate(prompts[: len(warm_lengths)], warm_lengths, [])
     sync(dev)
     t1 = time.perf_counter()
     out = dec.generate(prompts, lengths, [])
     sync(dev)
     secs = time.perf_counter() - t1
     useful = sum(len(ids) for ids, _ in out)
-    # the decode step alone, all rows busy
-    step_s = timed(lambda: dec._step(slots), dev, reps=20, warm=2)
-    res = {"slots": slots, "capacity": capacity, "mode": dec.mode, "useful_tokens": useful, "seconds": secs,
-           "useful_tokens_per_s": useful / secs, "setup_and_capture_s": t1 - t0, "decode_step_ms": 1e3 * step_s,
-           "full_batch_tokens_per_s": slots / step_s, "warm_requests": len(warm),
+    res = {"slots": slots, "capacity": dec.capacity, "mode": dec.mode, "useful_tokens": useful, "seconds": secs,
+           "useful_tokens_per_s": useful / secs, "setup_compile_capture_s": t1 - t0,
+           "steps_by_rows_computed": {str(k): v for k, v in sorted(dec.step_counts.items(), reverse=True)},
            "kv_cache_gib": sum(t.numel() * t.element_size() for t in dec.k + dec.v) / GIB}
+    # the decode step alone, every row busy at one position: the run's mean position, and the cache's end
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    mean_pos = int(np.mean([len(p) for p in prompts]) + np.mean(lengths) / 2)
+    saved = dec.pos.clone()
+    for label, position in (("mean_position", mean_pos), ("full_capacity", dec.capacity - 1)):
+        dec.pos.fill_(position)
+        step_s = timed(lambda: dec._step(slots), dev, reps=20, warm=2)
+        read = dec.capacity if dec.attention == "dense" else -(-(position + 1) // dec.kv_block) * dec.kv_block
+        step_bytes = weight_bytes + slots * read * kv_bytes_per_token(target)
+        res[f"decode_step_ms_at_{label}"] = 1e3 * step_s
+        res[f"decode_step_position_{label}"] = position
+        res[f"full_batch_tokens_per_s_at_{label}"] = slots / step_s
+        res[f"decode_step_gb_read_at_{label}"] = step_bytes / 1e9
+        if bandwidth:
+            res[f"fraction_of_bandwidth_at_{label}"] = step_bytes / step_s / bandwidth
+    # every step size the run took, at the mean position: where the run's time went
+    dec.pos.fill_(mean_pos)
+    res["decode_step_ms_by_rows_computed"] = {}
+    for n in sorted(dec.step_counts, reverse=True):
+        dec.active[:n] = torch.arange(n, device=dec.device)
+        res["decode_step_ms_by_rows_computed"][str(n)] = 1e3 * timed(lambda n=n: dec._step(n), dev, reps=10, warm=1)
+    res["decode_steps_s_estimated"] = sum(dec.step_counts[n] * ms / 1e3 for n, ms in
+                                          ((int(k), v) for k, v in res["decode_step_ms_by_rows_computed"].items()))
+    dec.pos.copy_(saved)
     if torch.device(dev).type == "cuda":
         res["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
     del dec
@@ -254,7 +283,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--baseline-prompts", type=int, default=64, help="prompts for the static-generate baseline")
-    ap.add_argument("--slots", default="256", help="rows of the batched backend's KV cache, one run each")
+    ap.add_argument("--slots", default="256,512,256:dense",
+                    help="batched backend runs: rows of its KV cache[:attention[:compiled]] (flex reads live positions "
+                         "only, dense the whole capacity; default: the GPU default; compiled: Inductor on the full step)")
     ap.add_argument("--batched-prompts", default="256,1024",
                     help="prompt counts for the batched backend (more prompts: the tail of the longest replies weighs less)")
     ap.add_argument("--cb-configs", default='[{}]', help="JSON list of ContinuousBatchingConfig kwargs")
@@ -294,20 +325,27 @@ def expand(a, target, tcfg, dev, out: dict, save) -> None:
     prompts, lengths = all_prompts[: a.prompts], all_lengths[: a.prompts]
     out["reply_lengths"] = {"mean": float(np.mean(lengths)), "median": float(np.median(lengths)), "max": max(lengths)}
     nb = min(a.baseline_prompts, a.prompts)
-    out["static_generate"] = static_generate(target, prompts[:nb], lengths[:nb], a.batch, dev)
-    print(json.dumps(out["static_generate"]), flush=True)
-    save()
+    if nb:
+        out["static_generate"] = static_generate(target, prompts[:nb], lengths[:nb], a.batch, dev)
+        print(json.dumps(out["static_generate"]), flush=True)
+        save()
     out["batched"] = []
-    for slots in [int(x) for x in a.slots.split(",") if x]:
+    bandwidth = copy_bandwidth(dev) if torch.device(dev).type == "cuda" else None
+    out["copy_bandwidth_gb_s"] = bandwidth / 1e9 if bandwidth else None
+    for run in [x for x in a.slots.split(",") if x]:
+        slots, attention, compiled = (run.split(":") + ["", ""])[:3]
         for count in counts:
             try:
-                r = batched(target, all_prompts[:count], all_lengths[:count], dev, slots)
+                r = batched(target, all_prompts[:count], all_lengths[:count], dev, int(slots), attention or "auto",
+                            compiled == "compiled", bandwidth)
             except Exception as err:  # noqa: BLE001
-                r = {"slots": slots, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+                r = {"slots": int(slots), "attention": attention, "error": f"{type(err).__name__}: {err}",
+                     "traceback": traceback.format_exc()[-3000:]}
             r["prompts"] = count
             out["batched"].append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "traceback"}), flush=True)
             save()
+            gc.collect()  # a decoder holding its compiled step is a reference cycle: free its cache now
             if torch.device(dev).type == "cuda":
                 torch.cuda.empty_cache()
     out["continuous"] = []

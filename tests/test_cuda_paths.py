@@ -75,17 +75,29 @@ def test_captured_target_and_drafter_steps_decode_like_the_eager_loop():
 
 
 def test_batched_decoder_graphs_decode_like_transformers():
+    """Dense attention in float64; flex (the GPU default) in float32 (flex has no float64), eager and
+    compiled, with every cache position outside the live blocks NaN, so a read of one would poison the reply."""
+    import copy
+
     from dflashpipe.slot_decode import SlotDecoder
 
-    target, _, _ = _models()
-    prompts = _prompts(target.config.vocab_size, (5, 23, 1, 14, 9, 30, 2, 11, 17, 4))
-    for slots in (4, 16):  # refilled rows; partial steps (8 of 16 rows)
-        dec = SlotDecoder(target, slots, 128)
-        assert dec.mode == "slots+cuda_graphs"
-        for (ids, _), p in zip(dec.generate(prompts, 24, [7]), prompts):
-            ref = target.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False, eos_token_id=[7],
-                                  pad_token_id=0, temperature=None, top_p=None, top_k=None)[0, len(p):].tolist()
-            assert ids == ref, slots
+    target64, _, _ = _models()
+    prompts = _prompts(target64.config.vocab_size, (5, 23, 1, 14, 9, 30, 2, 11, 17, 4))
+    block = 64  # every position stays below one block (prompt <= 30 + 24 new)
+    target32 = copy.deepcopy(target64).float()
+    for attention, target, compile in (("dense", target64, False), ("flex", target32, False), ("flex", target32, True)):
+        for slots in (4, 16):  # refilled rows; partial steps (8 of 16 rows)
+            dec = SlotDecoder(target, slots, 256, attention=attention, kv_block=block, compile=compile)
+            assert dec.mode == f"slots+{attention}+cuda_graphs" + ("+compiled" if compile else "")
+            if attention == "flex":
+                for t in dec.k + dec.v:
+                    t.zero_()
+                    t[:, :, block:] = float("nan")
+            for (ids, _), p in zip(dec.generate(prompts, 24, [7]), prompts):
+                ref = target.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False,
+                                      eos_token_id=[7], pad_token_id=0, temperature=None, top_p=None,
+                                      top_k=None)[0, len(p):].tolist()
+                assert ids == ref, (attention, compile, slots)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def test_greedy_equals_transformers_token_for_token_with_rows_reused(model64, sl
     free = [hf_greedy(model64, p, 20, set()) for p in prompts[:2]]
     end_ids = {free[0][5], free[1][9]}  # tokens these replies produce mid-way: some requests stop early
     dec = SlotDecoder(model64, slots=slots, capacity=64)
-    assert dec.mode == "slots" and unsupported_reason(model64) is None
+    assert dec.mode == "slots+dense" and unsupported_reason(model64) is None
     assert dec._bucket(7) == (3 if slots == 3 else 8) and dec._bucket(slots) == slots
     got = dec.generate(prompts, 20, end_ids)
     for p, (ids, finish) in zip(prompts, got):
@@ -51,6 +51,36 @@ def test_greedy_equals_transformers_token_for_token_with_rows_reused(model64, sl
         assert finish == ("stop" if ref[-1] in end_ids else "length")
     assert {f for _, f in got} == {"stop", "length"}  # both ways of ending were exercised
     assert dec.generate(prompts, 20, end_ids) == got  # the reused cache holds nothing stale that matters
+
+
+@pytest.mark.parametrize("slots,compile", [(3, False), (16, False), (16, True)])
+def test_flex_attention_reads_only_the_live_blocks(random_target, slots, compile):
+    """The GPU default (compiled flex_attention with a block mask; float32: flex has no float64): every
+    cache position outside the rows' live blocks is NaN, so one read of it poisons the reply. Flex
+    decodes the transformers replies through it; the dense attention (which reads the whole capacity)
+    does not, so the poison is where a full read would hit. Compiled (Inductor on the steps, as on a
+    GPU): the full step, then the smaller ones through one compile dynamic in the row count."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(random_target, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(5, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 11, 7, 12, 1, 9, 5, 10, 2, 8, 12, 4)]
+    new = [14, 6, 10, 14, 3, 12, 8, 14, 5, 9, 14, 7]  # rows finish one after another
+    block = 16  # every position stays below 2 blocks (prompt <= 12 + 14 new)
+
+    def poisoned(attention, compile=False):
+        dec = SlotDecoder(model, slots=slots, capacity=64, attention=attention, kv_block=block, compile=compile)
+        for t in dec.k + dec.v:
+            t.zero_()
+            t[:, :, 2 * block:] = float("nan")
+        return dec
+
+    flex = poisoned("flex", compile)
+    assert flex.mode == "slots+flex" + ("+compiled" if compile else "") and flex.capacity == 64
+    got = flex.generate(prompts, new, set())
+    assert set(flex.step_counts) == ({16, 8} if slots == 16 else {3})  # 16 rows: full and partial steps
+    assert [ids for ids, _ in got] == [hf_greedy(model, p, n, set()) for p, n in zip(prompts, new)]
+    assert poisoned("dense").generate(prompts, new, set()) != got
 
 
 def test_sampling_is_seeded_and_respects_top_p(model64):

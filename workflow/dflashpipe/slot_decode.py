@@ -10,11 +10,17 @@ Python. Here (the ``batched`` expansion backend):
   (continuous batching), so every decode step does useful work for (nearly)
   every row;
 * the decode step of all rows (one token each, each at its own position) is
-  captured once as a CUDA graph and replayed: one launch per step. Attention is
-  written out for grouped KV heads (each key/value row is read once for its
-  group of query heads) with a per-row length mask. When few rows are busy (the
-  tail of a run, when no prompt is waiting) a step computes only those, padded
-  to a power-of-two count (slots/2, slots/4, ... >= 8), each count its own graph;
+  captured once as a CUDA graph and replayed: one launch per step. When few rows
+  are busy (the tail of a run, when no prompt is waiting) a step computes only
+  those, padded to a power-of-two count (slots/2, slots/4, ... >= 8), each count
+  its own graph;
+* attention reads only the live part of each row's cache (``attention="flex"``,
+  the default on a GPU): compiled ``flex_attention`` (its decoding kernel) with a
+  block mask of ``kv_block``-position blocks, row r reading blocks 0 .. pos[r] //
+  kv_block and no others, so a step's KV traffic is the rows' live lengths, not
+  the cache capacity; rows outside a partial step read nothing. ``"dense"`` (the
+  CPU default) writes attention out for grouped KV heads over the whole capacity
+  with a per-row length mask;
 * new prompts are prefilled in groups (right-padded, causal SDPA), writing their
   keys/values into their rows; padding positions are masked until overwritten.
 
@@ -29,12 +35,15 @@ one when the number of rows differs).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 import torch
 import torch.nn.functional as F
 
 from dflashpipe.cuda_graph import capture
+
+#: attention implementations of the decode step ("auto": flex on a GPU, dense elsewhere)
+ATTENTION_MODES = ("auto", "flex", "dense")
 
 #: model types whose layers follow the Llama layout this module writes out
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -88,10 +97,13 @@ def _rope(x, cos, sin):
 class SlotDecoder:
     """Greedy or sampled decoding of many prompts through ``slots`` rows of a static KV cache."""
 
-    def __init__(self, model, slots: int, capacity: int, cuda_graphs: bool | None = None, prefill_tokens: int = 8192):
+    def __init__(self, model, slots: int, capacity: int, cuda_graphs: bool | None = None, prefill_tokens: int = 8192,
+                 attention: str = "auto", kv_block: int = 128, compile: bool = False):
         why = unsupported_reason(model)
         if why:
             raise ValueError(f"batched decoding: {why}")
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"batched decoding: attention {attention!r} (one of {', '.join(ATTENTION_MODES)})")
         self.model, self.inner = model, model.model
         cfg = model.config
         self.n_heads = int(cfg.num_attention_heads)
@@ -101,6 +113,11 @@ class SlotDecoder:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.score_dtype = torch.promote_types(self.dtype, torch.float32)  # softmax in fp32 (fp64 for fp64 models)
+        if attention == "auto":
+            attention = "flex" if self.device.type == "cuda" else "dense"
+        self.attention, self.kv_block = attention, int(kv_block)
+        if attention == "flex":  # whole blocks
+            capacity = -(-int(capacity) // self.kv_block) * self.kv_block
         self.slots, self.capacity, self.prefill_tokens = int(slots), int(capacity), int(prefill_tokens)
         shape = (self.slots, self.n_kv, self.capacity, self.head_dim)
         self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.inner.layers]
@@ -112,7 +129,37 @@ class SlotDecoder:
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
         self.active = torch.zeros(self.slots, dtype=torch.long, device=self.device)  # rows of a partial step
         self._graphs: dict[int, tuple] = {}
-        self.mode = "slots+cuda_graphs" if self.cuda_graphs else "slots"
+        self.step_counts: Counter = Counter()  # decode steps of the last generate call, by rows computed
+        if attention == "flex":
+            self._init_flex()
+        # compile: Inductor fuses each layer's norms, RoPE, SwiGLU and residuals before a step is captured
+        # (a step of few rows costs its kernel launches more than its bytes). Two compiles: the full step,
+        # then one dynamic in the row count for every smaller step
+        self._compiled = torch.compile(self._decode_step, dynamic=None) if compile else None
+        if compile or attention == "flex":  # each decoder is new guards on the same code objects: past the
+            # recompile limit Dynamo would run them uncompiled (flex reading every position), so leave room
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self.mode = f"slots+{attention}" + ("+cuda_graphs" if self.cuda_graphs else "") + ("+compiled" if compile else "")
+
+    def _init_flex(self) -> None:
+        """The block mask (one object, updated in place each step) and the compiled attention."""
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+        blocks = self.capacity // self.kv_block
+        # live blocks per row: written by each step (0 for rows outside a partial step)
+        self._live_blocks = torch.zeros((self.slots, 1, 1), dtype=torch.int32, device=self.device)
+        order = torch.arange(blocks, dtype=torch.int32, device=self.device)
+        pos = self.pos
+
+        def upto_own_position(b, h, q_idx, kv_idx):  # within a row's last live block
+            return kv_idx <= pos[b]
+
+        self._block_mask = BlockMask.from_kv_blocks(
+            self._live_blocks, order.expand(self.slots, 1, 1, blocks).contiguous(),
+            BLOCK_SIZE=(self.kv_block, self.kv_block), mask_mod=upto_own_position, seq_lengths=(1, self.capacity),
+            compute_q_blocks=False)
+        self._q_all = torch.zeros((self.slots, self.n_heads, 1, self.head_dim), dtype=self.dtype, device=self.device)
+        self._flex = torch.compile(flex_attention, dynamic=False)
 
     # -- one layer, written out ------------------------------------------------------
 
@@ -145,28 +192,41 @@ class SlotDecoder:
             ids, pos = self.ids[rows], self.pos[rows]
         x = self.inner.embed_tokens(ids.unsqueeze(1))  # [n, 1, H]
         cos, sin = self.inner.rotary_emb(x, pos.unsqueeze(1))
-        # additive mask: a row sees the keys at positions <= its own
-        mask = torch.zeros((n, self.capacity), dtype=self.score_dtype, device=self.device)
-        mask.masked_fill_(self.key_pos.unsqueeze(0) > pos.unsqueeze(1), float("-inf"))
-        mask = mask[:, None, None, :]
+        if self.attention == "flex":
+            live = (pos // self.kv_block + 1).to(torch.int32).view(n, 1, 1)
+            if n == self.slots:
+                self._live_blocks.copy_(live)
+            else:
+                self._live_blocks.zero_().index_copy_(0, rows, live)
+        else:  # additive mask: a row sees the keys at positions <= its own
+            mask = torch.zeros((n, self.capacity), dtype=self.score_dtype, device=self.device)
+            mask.masked_fill_(self.key_pos.unsqueeze(0) > pos.unsqueeze(1), float("-inf"))
+            mask = mask[:, None, None, :]
         for i, layer in enumerate(self.inner.layers):
             q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
             self.k[i][rows, :, pos] = k[:, :, 0]
             self.v[i][rows, :, pos] = v[:, :, 0]
-            keys, values = (self.k[i], self.v[i]) if n == self.slots else (self.k[i][rows], self.v[i][rows])
-            qg = q.reshape(n, self.n_kv, G, self.head_dim)  # query head h uses key/value head h // G
-            scores = torch.matmul(qg, keys.transpose(-1, -2)).to(self.score_dtype) * self.scaling + mask
-            p = torch.softmax(scores, dim=-1).to(self.dtype)
-            o = torch.matmul(p, values).reshape(n, 1, self.n_heads * self.head_dim)
+            if self.attention == "flex":  # every row's own cache in place; rows outside the step read nothing
+                q_all = q if n == self.slots else self._q_all.index_copy_(0, rows, q)
+                o = self._flex(q_all, self.k[i], self.v[i], block_mask=self._block_mask, scale=self.scaling,
+                               enable_gqa=self.n_kv != self.n_heads)
+                o = (o if n == self.slots else o[rows]).transpose(1, 2).reshape(n, 1, self.n_heads * self.head_dim)
+            else:
+                keys, values = (self.k[i], self.v[i]) if n == self.slots else (self.k[i][rows], self.v[i][rows])
+                qg = q.reshape(n, self.n_kv, G, self.head_dim)  # query head h uses key/value head h // G
+                scores = torch.matmul(qg, keys.transpose(-1, -2)).to(self.score_dtype) * self.scaling + mask
+                p = torch.softmax(scores, dim=-1).to(self.dtype)
+                o = torch.matmul(p, values).reshape(n, 1, self.n_heads * self.head_dim)
             x = self._finish_layer(layer, x, o)
         return self.model.get_output_embeddings()(self.inner.norm(x))[:, 0].to(self.score_dtype)  # [n, V]
 
     def _step(self, n: int) -> torch.Tensor:
         """The decode step for ``n`` rows (one captured graph per row count)."""
+        fn = self._compiled or self._decode_step
         if not self.cuda_graphs:
-            return self._decode_step(n)
+            return fn(n)
         if n not in self._graphs:  # the warm-ups decode the real rows: writing their K/V twice is harmless
-            self._graphs[n] = capture(lambda: self._decode_step(n), self.device)
+            self._graphs[n] = capture(lambda: fn(n), self.device)
         graph, logits = self._graphs[n]
         graph.replay()
         return logits
@@ -234,6 +294,7 @@ class SlotDecoder:
         queue, free = deque(range(len(prompts))), list(range(self.slots))
         refill_at = max(1, self.slots // 8)  # prefill in groups: fewer, larger prefills
         pending_tokens = 0
+        self.step_counts = Counter()
 
         def add(row: int, token: int) -> bool:
             """Append ``token`` to the request in ``row``; True if the request is finished."""
@@ -246,14 +307,20 @@ class SlotDecoder:
                 return True
             return len(out[req]) >= limits[req]
 
+        released: list[int] = []  # rows freed since the last step: their position goes back to 0
+
         def release(row: int) -> None:
             nonlocal pending_tokens
             owner[row] = -1
             free.append(row)
+            released.append(row)
             progress(1, pending_tokens)
             pending_tokens = 0
 
         while queue or any(o >= 0 for o in owner):
+            if released:  # a free row decodes garbage from position 0 on: it reads one block, not its old reply
+                self.pos[torch.tensor(released, device=self.device)] = 0
+                released.clear()
             if queue and (len(free) >= min(refill_at, len(queue)) or all(o < 0 for o in owner)):
                 take, longest = [], 0  # a group costs (its size) x (its longest prompt): padding included
                 while queue and free and (not take or (len(take) + 1) * max(longest, len(prompts[queue[0]]))
@@ -274,6 +341,7 @@ class SlotDecoder:
                 continue
             busy = [r for r in range(self.slots) if owner[r] >= 0]
             n = self._bucket(len(busy))
+            self.step_counts[n] += 1
             if n == self.slots:
                 rows = list(range(self.slots))
                 nxt = self._choose(self._step(n), temperature, top_p, gen)
