@@ -70,3 +70,67 @@ def test_warm_fingerprint_and_run_identity_cover_the_drafter_model():
     assert {"drafter/model.py", "drafter/step.py", "drafter/loss.py", "drafter/features.py", "drafter/masks.py",
             "drafter/data.py", "drafter/train.py"} <= got
     assert "tracking.py" not in got and not any(n.startswith("evaluate/") for n in got)
+
+
+SOURCE = '''
+"""Module docstring."""
+import math
+
+
+def lr_at(step, base, log=print):
+    """The learning rate at ``step``."""
+    # warm up for 10 steps
+    scale = min(1.0, (step + 1) / 10)
+    log(f"step {step}: lr {base * scale:.3g}")
+    if scale < 0:
+        raise ValueError(f"negative scale {scale}")
+    assert scale <= 1, "scale above one"
+    return base * scale * math.cos(0.5)
+'''
+
+
+def test_source_meaning_ignores_comments_docstrings_and_messages():
+    from dflashpipe.codedeps import source_meaning
+
+    base = source_meaning(SOURCE)
+    same = [
+        SOURCE.replace("# warm up for 10 steps", "# linear warm-up"),
+        SOURCE.replace('"""The learning rate at ``step``."""', '"""LR schedule."""'),
+        SOURCE.replace('"""The learning rate at ``step``."""\n', ""),
+        SOURCE.replace('log(f"step {step}: lr {base * scale:.3g}")', 'log(f"at step {step} the lr is {base * scale:.5f}")'),
+        SOURCE.replace('f"negative scale {scale}"', 'f"scale {scale} is negative"'),
+        SOURCE.replace('"scale above one"', '"too big"'),
+        SOURCE.replace("scale = min(1.0, (step + 1) / 10)", "scale = min(\n        1.0, (step + 1) / 10\n    )"),
+    ]
+    for variant in same:
+        assert variant != SOURCE and source_meaning(variant) == base, variant
+    other = [
+        SOURCE.replace("/ 10)", "/ 20)"),  # a constant
+        SOURCE.replace("(step + 1)", "(step - 1)"),  # an operator
+        SOURCE.replace("math.cos", "math.sin"),  # a call
+        SOURCE.replace('log(f"step {step}: lr {base * scale:.3g}")', 'log(f"step {step}: lr {base / scale:.3g}")'),
+    ]
+    for variant in other:
+        assert source_meaning(variant) != base, variant
+
+
+def test_code_digest_of_the_training_code_ignores_a_reworded_log_line(tmp_path):
+    """The real training loop: a reworded log message keeps the digest (a killed run resumes); a changed
+    constant does not."""
+    import re
+    import shutil
+
+    from dflashpipe.codedeps import meaning_digest
+
+    root = tmp_path / "dflashpipe"
+    shutil.copytree(REPO / "workflow" / "dflashpipe", root, ignore=shutil.ignore_patterns("__pycache__"))
+    train = root / "drafter" / "train.py"
+    files = [str(train), str(root / "drafter" / "step.py")]
+    before = meaning_digest(files, root)
+    src = train.read_text()
+    m = re.search(r'log\(\s*f?"([A-Za-z][^"{]{3,})', src)
+    assert m, "train.py logs something"
+    train.write_text(src.replace(m.group(1), "Reworded: " + m.group(1), 1) + "\n# a comment\n")
+    assert meaning_digest(files, root) == before
+    train.write_text(src.replace("== 0", "== 1", 1))
+    assert "== 0" in src and meaning_digest(files, root) != before

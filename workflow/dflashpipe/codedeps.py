@@ -95,3 +95,73 @@ def module_closure(package_dir: str | Path, modules: list[str]) -> list[str]:
                 seen.add(f)
                 todo.extend(_imports(f, package_dir))
     return sorted(str(p) for p in seen)
+
+
+# -- what a module's source MEANS: the key of compiled code and of a training run's identity ------------
+#
+# Rewording a log message or a comment must not orphan a killed run's checkpoints, so the code parts of
+# the warm stamps and of the run identity digest each file's syntax tree (ast.dump, which has no line
+# numbers and no comments) after dropping what cannot change a result:
+#   * docstrings, and any other bare string statement;
+#   * the string literals (plain, or the text and format specs of f-strings; their {expressions} are kept)
+#     in the arguments of message calls: ``log(...)``, ``print(...)``, ``warn(...)``, ``tqdm(...)``,
+#     ``UserError(...)``, ``<anything>.warning/.info/.debug/.error/.exception/.critical/.warn(...)``,
+#     in the exception of a ``raise`` and in an ``assert``'s message.
+# A string built elsewhere and passed to a message call (``msg = f"..."; log(msg)``) still counts, and so
+# does everything else: names, constants, operators, calls. The dump format follows the Python version.
+
+MESSAGE_FUNCTIONS = frozenset({"log", "print", "warn", "tqdm", "UserError"})
+MESSAGE_METHODS = frozenset({"warn", "warning", "info", "debug", "error", "exception", "critical"})
+
+
+def _blank_messages(node: ast.AST) -> None:
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+            sub.value = ""
+        elif isinstance(sub, ast.JoinedStr):
+            sub.values = [v for v in sub.values if isinstance(v, ast.FormattedValue)]
+        elif isinstance(sub, ast.FormattedValue):
+            sub.format_spec = None
+
+
+def _is_message_call(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    f = node.func
+    return (isinstance(f, ast.Name) and f.id in MESSAGE_FUNCTIONS) or (
+        isinstance(f, ast.Attribute) and f.attr in MESSAGE_METHODS
+    )
+
+
+def source_meaning(source: str, filename: str = "<source>") -> str:
+    """``source``'s syntax tree without comments, docstrings and message strings, as text (see above)."""
+    tree = ast.parse(source, filename=filename)
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            body = getattr(node, field, None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.stmt):
+                kept = [s for s in body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
+                                                and isinstance(s.value.value, str))]
+                setattr(node, field, kept or [ast.Pass()])
+    for node in ast.walk(tree):
+        if _is_message_call(node):
+            for part in [*node.args, *(k.value for k in node.keywords)]:
+                _blank_messages(part)
+        elif isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+            for part in [*node.exc.args, *(k.value for k in node.exc.keywords)]:
+                _blank_messages(part)
+        elif isinstance(node, ast.Assert) and node.msg is not None:
+            _blank_messages(node.msg)
+    return ast.dump(tree)
+
+
+def meaning_digest(files: list[str], root: str | Path) -> str:
+    """A short digest of what ``files`` (paths under ``root``, recorded relative to it) mean."""
+    import hashlib
+
+    root = Path(root).resolve()
+    h = hashlib.sha256()
+    for f in sorted(files, key=lambda p: str(Path(p).resolve().relative_to(root))):
+        h.update(str(Path(f).resolve().relative_to(root)).encode() + b"\0")
+        h.update(source_meaning(Path(f).read_text(), str(f)).encode() + b"\0")
+    return h.hexdigest()[:16]

@@ -105,12 +105,11 @@ def runtime_info(device: str) -> dict:
 
 
 def code_digest(files: list[str]) -> str:
-    root = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    for f in sorted(files):
-        h.update(str(Path(f).resolve().relative_to(root)).encode())
-        h.update(Path(f).read_bytes())
-    return h.hexdigest()[:16]
+    """What the library files mean (comments, docstrings and log messages do not count: see
+    :func:`dflashpipe.codedeps.source_meaning`)."""
+    from dflashpipe.codedeps import meaning_digest
+
+    return meaning_digest(files, Path(__file__).resolve().parent)
 
 
 def train_step_code_files() -> list[str]:

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from dflashpipe.checkout import check_code
 from dflashpipe.errors import UserError
 
 
@@ -47,6 +48,7 @@ def job(log_path: str | None, threads: int = 1, name: str = "job"):
 
     log(f"{name}: start (pid {os.getpid()}, {threads} thread(s))")
     try:
+        check_code()  # the library of the checkout that planned this job, or one line naming both
         set_threads(threads)
         yield log
     except UserError as err:

@@ -3,9 +3,11 @@
 A run's checkpoints live in ``run_dir/checkpoints/<key>/``; the key hashes the
 run identity (:func:`run_identity`): everything that changes the trained
 weights, i.e. the drafter and train settings (operational keys excluded, see
-the config schema), the seed, the tokenized data, the target, and the source
-of the training code (the same module closure the compile-warm stamps
-fingerprint). So an edit of the training code or of a result-changing setting
+the config schema), the seed, the tokenized data, the target, and the training
+code by meaning (the same module closure the compile-warm stamps fingerprint;
+comments, docstrings and log messages do not count, see
+:func:`dflashpipe.codedeps.source_meaning`), the target loader
+(``target.py``) and the torch and transformers versions. So an edit of the training code or of a result-changing setting
 starts a fresh run, and a killed run of the same code and settings finds its
 own directory and resumes. The shard count is not part of the identity: the
 optimiser state is saved whole, so a run resumes at any K.
@@ -42,13 +44,14 @@ from dflashpipe.errors import UserError
 
 METRIC_FIELDS = (
     "step", "epoch", "loss", "acc", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu",
-    "step_seconds", "peak_mem_mb", "heldout_loss", "heldout_acc",
+    "step_seconds", "peak_mem_mb", "heldout_loss", "heldout_acc", "heldout_sim_tau",
 )  # fmt: skip
 KEEP = 2  # checkpoints kept
 
 
 def run_identity(cfg, tokenized_dir: str, target_dir: str) -> dict:
     """Everything the trained weights depend on (readable; its hash keys the checkpoint directory)."""
+    from dflashpipe.codedeps import module_closure
     from dflashpipe.config import operational_keys
     from dflashpipe.hotstart import code_digest, train_step_code_files
     from dflashpipe.target import resolve_mask_token, target_fingerprint
@@ -60,8 +63,19 @@ def run_identity(cfg, tokenized_dir: str, target_dir: str) -> dict:
         "mask_token_id": resolve_mask_token(target_dir, cfg.mask_token_id)[0],  # as decided, not as configured
         "data": hashlib.sha256(state).hexdigest()[:16],
         "target": target_fingerprint(target_dir),
-        "code": code_digest(train_step_code_files()),
+        "code": code_digest(train_step_code_files()),  # by meaning: a reworded log line resumes the run
+        # the target's features come from load_target; the libraries' kernels and defaults change numbers
+        "target_loader": code_digest(module_closure(Path(__file__).resolve().parents[1], ["target"])),
+        "versions": library_versions(),
     }
+
+
+def library_versions() -> dict:
+    """The versions of the libraries that compute the run (a new torch or transformers starts a new run)."""
+    import transformers
+
+    # plain strings (torch's version is a TorchVersion, which a weights_only load refuses)
+    return {"torch": str(torch.__version__), "transformers": str(transformers.__version__)}
 
 
 def checkpoint_dir(run_dir: str, identity: dict) -> Path:

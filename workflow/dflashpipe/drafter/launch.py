@@ -32,6 +32,8 @@ import time
 import uuid
 from pathlib import Path
 
+from dflashpipe.checkout import ENV as CODE_ENV
+from dflashpipe.checkout import planned_code
 from dflashpipe.errors import UserError
 
 
@@ -50,21 +52,27 @@ def _die_with_parent_fn():
     return die_with_parent
 
 
-def _error_line(log_path: str) -> str:
-    """The rank's ERROR line, else the last line of its log (the cause of a crash)."""
+def _error_line(log_path: str, start: int = 0) -> str:
+    """The rank's ERROR line, else the last line of its log (the cause of a crash).
+
+    Only the log from byte ``start`` on counts: rank logs are appended to, and an earlier attempt's
+    ERROR line is not this attempt's cause."""
     try:
-        lines = [ln.strip() for ln in Path(log_path).read_text(errors="replace").splitlines() if ln.strip()]
+        with open(log_path, "rb") as f:
+            f.seek(start)
+            text = f.read().decode(errors="replace")
     except OSError:
         return "no log"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith("ERROR:")]
     return (errors[-1] if errors else (lines[-1] if lines else "empty log"))[:300]
 
 
-def _culprit(failed: list[int], codes: list, rank_logs: list[str]) -> int:
+def _culprit(failed: list[int], codes: list, rank_logs: list[str], starts: list[int]) -> int:
     """The rank that most likely caused the failure: one with an ERROR line, else one killed by a
     signal, else the first. (A peer of a dead rank fails too, with a mere connection error.)"""
     for r in failed:
-        if _error_line(rank_logs[r]).startswith("ERROR:"):
+        if _error_line(rank_logs[r], starts[r]).startswith("ERROR:"):
             return r
     return next((r for r in failed if codes[r] < 0), failed[0])
 
@@ -76,17 +84,20 @@ def launch(commands: list[list[str]], rank_logs: list[str], log=print, envs: lis
     Rank r's output goes to ``rank_logs[r]`` from its first line (import errors included);
     ``envs[r]`` is added to its environment and ``pass_fds[r]`` stay open in it.
     """
-    procs, logs = [], []
-    # the package's parent directory on the children's path, installed or not
-    package_root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+    procs, logs, starts = [], [], []  # starts: where this attempt's part of each (appended) log begins
+    # the ranks run the library of the checkout that planned the job (pinned by the Snakefile), else this
+    # process's own: first on their path, and checked by each rank (dflashpipe.checkout)
+    package_root = str(planned_code() or Path(__file__).resolve().parents[2])
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != package_root]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, *rest]), **{CODE_ENV: package_root})
     die_with_parent = _die_with_parent_fn()
     old_term = signal.getsignal(signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # run the cleanup below
     try:
         for r, cmd in enumerate(commands):
             Path(rank_logs[r]).parent.mkdir(parents=True, exist_ok=True)
-            logs.append(open(rank_logs[r], "a"))
+            logs.append(open(rank_logs[r], "ab"))
+            starts.append(logs[-1].tell())
             procs.append(subprocess.Popen(cmd, env={**env, **(envs[r] if envs else {})}, stdout=logs[-1],
                                           stderr=subprocess.STDOUT, pass_fds=pass_fds[r] if pass_fds else (),
                                           preexec_fn=die_with_parent))
@@ -98,10 +109,10 @@ def launch(commands: list[list[str]], rank_logs: list[str], log=print, envs: lis
                 time.sleep(poll_s)  # let peers of a dead rank fail too, then name the cause
                 codes = [p.poll() for p in procs]
                 failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-                r = _culprit(failed, codes, rank_logs)
+                r = _culprit(failed, codes, rank_logs, starts)
                 raise UserError(
                     f"train rank {r} of {len(procs)} failed (exit code {codes[r]}), the other ranks were stopped: "
-                    f"{_error_line(rank_logs[r])}  [log: {rank_logs[r]}]"
+                    f"{_error_line(rank_logs[r], starts[r])}  [log: {rank_logs[r]}]"
                 )
             if all(c == 0 for c in codes):
                 return
