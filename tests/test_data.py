@@ -80,3 +80,54 @@ def test_failed_prepare_leaves_no_output(tmp_path):
         prepare_prompts({"path": str(f), "messages_column": "messages"}, "d", str(out))
     assert not out.exists()
     assert not list(tmp_path.glob(".tmp-*"))
+
+
+SHAREGPT = __import__("pathlib").Path(__file__).parent / "fixtures" / "sharegpt_small.jsonl"
+
+
+def test_sharegpt_conversations_as_in_the_readme_example(tmp_path):
+    """The README's `sharegpt` dataset (`messages_column: conversations`) on a ShareGPT file: from/value turns,
+    human/gpt/system speakers, a tool call and its result, a turn with an extra null key."""
+    spec = {"path": str(SHAREGPT), "messages_column": "conversations"}
+    df = prepare_prompts(spec, "sharegpt", str(tmp_path / "out.parquet"))
+    assert list(df["id"]) == ["sg-1", "sg-2", "sg-3", "sg-4"]
+    assert df["prompt"][0] == [{"role": "user", "content": "What is 12 * 7?"}]
+    assert df["reference"][0] == "12 * 7 = 84."
+    assert [t["role"] for t in df["prompt"][1]] == ["system", "user", "assistant", "user"]
+    assert df["prompt"][1][-1]["content"] == "And one above 20?" and df["reference"][1] == "23."
+    assert [t["role"] for t in df["prompt"][2]] == ["user", "assistant", "tool", "user"]
+    assert df["prompt"][2][2]["content"] == '{"metres": 3000}' and pd.isna(df["reference"][2])
+    assert df["prompt"][3] == [{"role": "user", "content": "Write a haiku about rain."}]
+
+
+def test_chat_format_detected_per_row_and_column(tmp_path):
+    """No messages_column: a `conversations` column is found; ShareGPT and OpenAI rows may share a file."""
+    rows = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+            {"conversations": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}]
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    spec = {"path": str(f)}
+    df = normalize(load_table(spec, "d"), spec, "d")
+    assert df["prompt"][0] == [{"role": "user", "content": "hi"}] and df["reference"][0] == "hello"
+    assert df["prompt"][1] == [{"role": "user", "content": "2+2?"}] and df["reference"][1] == "4"
+
+
+def test_chat_that_fits_no_format_names_the_row(tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", [{"c": chat("q", "a")}, {"c": [{"speaker": "human", "text": "q"}]}])
+    spec = {"path": str(f), "messages_column": "c"}
+    with pytest.raises(UserError, match=r"d.jsonl row 1 \(dataset d\): column 'c' must be a list of "
+                                        r"\{role, content\} or \{from, value\} turns \(a turn has \['speaker', 'text'\]\)"):
+        normalize(load_table(spec, "d"), spec, "d")
+    spec = {"path": str(SHAREGPT), "messages_column": "conversations", "format": "openai"}  # the format set in the spec
+    with pytest.raises(UserError, match=r"row 0 \(dataset d\): column 'conversations' must be a list of \{role, content\}"):
+        normalize(load_table(spec, "d"), spec, "d")
+    bad = write_jsonl(tmp_path / "b.jsonl", [{"conversations": [{"from": "narrator", "value": "x"}]}])
+    spec = {"path": str(bad), "format": "sharegpt"}
+    with pytest.raises(UserError, match=r"row 0 \(dataset d\): column 'conversations': ShareGPT speaker 'narrator'"):
+        normalize(load_table(spec, "d"), spec, "d")
+
+
+def test_dataset_format_key_is_checked_by_the_config_schema():
+    from dflashpipe.config import load_schema
+
+    props = load_schema()["properties"]["datasets"]["additionalProperties"]["properties"]
+    assert props["format"]["enum"] == ["auto", "openai", "sharegpt"] and "default" not in props["format"]

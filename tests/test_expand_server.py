@@ -144,7 +144,7 @@ def test_server_expansion_matches_the_embedded_backend(server, served_target, pr
 def test_finished_chunks_are_reused_whatever_the_server_url(server, served_target, prompts, tmp_path):
     """The server's keys are operational: chunks written through one url are kept when the job is resumed
     through another spelling of it (no trailing /v1), and the result equals an uninterrupted run."""
-    from dflashpipe.expand import _file_digest
+    from dflashpipe.expand import _file_digest, decoder_identity, decoding_code_digest
     from dflashpipe.target import target_fingerprint
 
     settings = ExpandSettings(**SETTINGS, backend="openai")
@@ -155,7 +155,8 @@ def test_finished_chunks_are_reused_whatever_the_server_url(server, served_targe
     work.mkdir()
     (work / "settings.json").write_text(json.dumps({
         "settings": asdict(settings), "target_fingerprint": target_fingerprint(str(served_target)),
-        "prompts_digest": _file_digest(str(prompts)), "shard": 0, "n_shards": 1}))
+        "prompts_digest": _file_digest(str(prompts)), "shard": 0, "n_shards": 1,
+        "decoder": decoder_identity(str(served_target), settings, "cpu"), "code": decoding_code_digest()}))
     first = pd.read_parquet(ref).head(SETTINGS["chunk_size"])  # the server backend writes rows in prompt order
     first.drop(columns=["temperature", "top_p", "max_new_tokens", "seed", "target", "target_path"]).to_parquet(
         work / "chunk_00000.parquet", index=False)

@@ -148,7 +148,7 @@ def test_unusable_prompts_are_counted_not_generated_and_damaged_files_are_one_li
     # a damaged chunk left by an interrupted expansion is made again
     from dataclasses import asdict
 
-    from dflashpipe.expand import _file_digest
+    from dflashpipe.expand import _file_digest, decoder_identity, decoding_code_digest
     from dflashpipe.target import target_fingerprint
 
     run_expand(tmp_path / "p.parquet", micro_target, tmp_path / "ref.parquet", chunk_size=1)
@@ -156,7 +156,8 @@ def test_unusable_prompts_are_counted_not_generated_and_damaged_files_are_one_li
     work = tmp_path / "f.parquet.chunks"
     work.mkdir()
     (work / "settings.json").write_text(json.dumps({
-        "settings": asdict(settings), "target_fingerprint": target_fingerprint(str(micro_target)),
+        "settings": asdict(settings), "decoder": decoder_identity(str(micro_target), settings, "cpu"),
+        "code": decoding_code_digest(), "target_fingerprint": target_fingerprint(str(micro_target)),
         "prompts_digest": _file_digest(str(tmp_path / "p.parquet")), "shard": 0, "n_shards": 1}))
     (work / "chunk_00000.parquet").write_bytes(b"PAR1 not really")
     lines = []
@@ -164,3 +165,62 @@ def test_unusable_prompts_are_counted_not_generated_and_damaged_files_are_one_li
     assert any("chunk_00000.parquet cannot be read" in ln for ln in lines)
     cols = ["id", "response", "finish_reason"]
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "f.parquet")[cols], pd.read_parquet(tmp_path / "ref.parquet")[cols])
+
+
+def test_shard_without_prompts_writes_an_empty_output_and_merges(micro_target, tmp_path):
+    """More shards than prompts (config/qwen3_8b_8gpu.yaml's 8 shards on a small dataset): the empty shard
+    loads no model and writes an output with the usual columns; the merge has every prompt once."""
+    from dflashpipe.expand import merge_shards
+
+    prompts = tmp_path / "p.parquet"
+    prepare_prompts({"path": str(PROMPTS / "math_train.jsonl.gz"), "messages_column": "messages", "limit": 2}, "math",
+                    str(prompts))
+    outs, logs = [tmp_path / f"shard{k}.parquet" for k in range(3)], []
+    for k, out in enumerate(outs):
+        summary = expand_prompts(str(prompts), str(micro_target), ExpandSettings(**{**SETTINGS, "temperature": 0.0}),
+                                 str(out), shard=k, n_shards=3, log=logs.append)
+    assert summary["rows"] == 0 and any("shard 2 of 3 has no prompts" in m for m in logs)
+    empty, full = pd.read_parquet(outs[2]), pd.read_parquet(outs[0])
+    assert len(empty) == 0 and list(empty.columns) == list(full.columns)
+    assert merge_shards([str(o) for o in outs], str(tmp_path / "merged.parquet")) == 2
+    merged = pd.read_parquet(tmp_path / "merged.parquet")
+    assert sorted(merged["id"]) == sorted(pd.read_parquet(prompts)["id"])
+    assert set(merged["backend"]) == {"embedded"} and set(merged["dtype"]) == {"float32"}  # what ran, not `auto`
+
+
+def test_chunks_of_another_decoder_or_code_are_not_resumed(prompts, micro_target, tmp_path, monkeypatch):
+    """The chunks' identity holds the backend `auto` resolves to, its device and dtype, and a digest of the
+    decoding code: chunks written before a decoder fix, or by another backend/dtype (a GPU->CPU move), are
+    discarded on resume, not mixed with new ones."""
+    import dflashpipe.expand as expand
+
+    settings = ExpandSettings(**SETTINGS)  # backend auto: embedded on the CPU, 3 chunks of 4
+    assert expand.decoder_identity(str(micro_target), settings, "cpu") == {"backend": "embedded", "device": "cpu",
+                                                                           "dtype": "float32"}
+    assert expand.decoder_identity(str(micro_target), ExpandSettings(**{**SETTINGS, "backend": "batched"}), "cuda:3") == {
+        "backend": "batched", "device": "cuda", "dtype": "bfloat16", "decode_step": "compiled"}
+
+    def killed_after_first_chunk(out):
+        def log(m):
+            if m.startswith("chunk 1/3"):
+                raise KeyboardInterrupt  # the job dies with one chunk written
+        with pytest.raises(KeyboardInterrupt):
+            expand_prompts(str(prompts), str(micro_target), settings, str(out), log=log)
+        assert len(list((tmp_path / (out.name + ".chunks")).glob("chunk_*.parquet"))) == 1
+
+    for name, attr, value in (("code", "decoding_code_digest", lambda: "before-the-fix"),
+                              ("decoder", "decoder_identity", lambda *a: {"backend": "batched", "device": "cuda",
+                                                                          "dtype": "bfloat16", "decode_step": "compiled"})):
+        out, logs = tmp_path / f"{name}.parquet", []
+        with monkeypatch.context() as m:
+            m.setattr(expand, attr, value, raising=False)
+            killed_after_first_chunk(out)
+        expand_prompts(str(prompts), str(micro_target), settings, str(out), log=logs.append)
+        assert any("settings changed" in m for m in logs), name
+        assert not any(m.startswith("resuming") for m in logs), name
+        assert len(pd.read_parquet(out)) == 12
+    # the same decoder and code resume (the chunk is kept)
+    out, logs = tmp_path / "same.parquet", []
+    killed_after_first_chunk(out)
+    expand_prompts(str(prompts), str(micro_target), settings, str(out), log=logs.append)
+    assert any(m.startswith("resuming: 1 of 3 chunks") for m in logs)

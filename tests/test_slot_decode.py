@@ -129,3 +129,33 @@ def test_top_p_keeps_the_tokens_transformers_keeps():
         assert ours.any(dim=-1).all() and not ours.all()
         samples = {int(SlotDecoder._choose(logits, 1.0, top_p, torch.Generator().manual_seed(k))[0]) for k in range(30)}
         assert all(ours[0, t] for t in samples)
+
+
+def test_one_long_prompt_does_not_size_every_row(random_target, tmp_path):
+    """A shard of short prompts and one long one (a real math prompt repeated to ~1,200 tokens): the short
+    ones decode through a cache sized for them, the long one through a cache of its own, also in the
+    chunks after it; replies equal the embedded backend's (transformers generate), token for token."""
+    import json
+
+    rows = [json.loads(line) for line in __import__("gzip").open(PROMPTS / "math_train.jsonl.gz", "rt")][:7]
+    long_q = " ".join([rows[0]["messages"][0]["content"]] * 12)
+    rows[2] = {**rows[2], "messages": [{"role": "user", "content": long_q}]}
+    src = tmp_path / "mixed.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = tmp_path / "p.parquet"
+    prepare_prompts({"path": str(src), "messages_column": "messages"}, "math", str(prompts))
+    settings = dict(max_new_tokens=12, batch_size=4, chunk_size=4, temperature=0.0)  # chunks: rows 0-3 and 4-6
+    frames, logs = {}, []
+    for backend in ("embedded", "batched"):
+        out = tmp_path / f"{backend}.parquet"
+        expand_prompts(str(prompts), str(random_target), ExpandSettings(**settings, backend=backend), str(out),
+                       log=logs.append)
+        frames[backend] = pd.read_parquet(out).set_index(["id", "sample"]).sort_index()
+    a, b = frames["embedded"], frames["batched"]
+    assert [list(x) for x in a["token_ids"]] == [list(x) for x in b["token_ids"]]
+    longest, second = b["num_prompt_tokens"].nlargest(2)
+    assert longest > 1000 and second < 300
+    caches = [int(m.split(" x ")[1].split()[0]) for m in logs if m.startswith("batched decoding:")]
+    long_cache = -(-(longest + 12) // 256) * 256
+    # chunk 1: its short prompts, then the long one alone; chunk 2: a cache for short prompts again
+    assert len(caches) == 3 and caches[1] == long_cache and max(caches[0], caches[2]) <= -(-(second + 12) // 256) * 256

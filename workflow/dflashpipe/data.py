@@ -2,9 +2,12 @@
 
 A dataset entry in ``config.yaml`` names a local file (``path``: .jsonl,
 .jsonl.gz, .json, .parquet) or a Hugging Face dataset (``hf`` + ``split``), and
-says which column holds the chat (``messages_column``, a list of
-``{role, content}`` turns) or the plain prompt (``prompt_column``, optionally
-``response_column``). Every dataset is turned into the same table:
+says which column holds the chat (``messages_column``) or the plain prompt
+(``prompt_column``, optionally ``response_column``). A chat column holds either
+OpenAI/UltraChat turns (``{role, content}``) or ShareGPT turns (``{from, value}``
+with ``human``/``gpt``/``system``, also ``tool``/``function``/...); ``format``
+(``auto``: per row, from the turns' keys) says which. Every dataset is turned
+into the same table:
 
     id          str    stable row id (the dataset's own id column, else the row index)
     prompt      list   the conversation up to and including its last user turn
@@ -93,17 +96,18 @@ def load_table(spec: dict, name: str, repo_root: str | os.PathLike = ".") -> "da
     return table
 
 
+#: chat columns read when a dataset names neither ``messages_column`` nor ``prompt_column`` and has no ``prompt``
+CHAT_COLUMNS = ("conversations", "messages")
+
+
 def _turns_from_row(row: dict, spec: dict, where: str) -> list[dict]:
-    if spec.get("messages_column"):
-        col = spec["messages_column"]
+    col = spec.get("messages_column")
+    if not col and not spec.get("prompt_column") and "prompt" not in row:
+        col = next((c for c in CHAT_COLUMNS if c in row), None)
+    if col:
         if col not in row:
             raise UserError(f"{where}: no column {col!r} (has {sorted(row)}); set `messages_column` to the chat column")
-        turns = row[col]
-        if not isinstance(turns, (list, tuple)) or not all(
-            isinstance(t, dict) and "role" in t and "content" in t for t in turns
-        ):
-            raise UserError(f"{where}: column {col!r} must be a list of {{role, content}} turns")
-        turns = [{"role": str(t["role"]), "content": str(t["content"])} for t in turns]
+        turns = _chat_turns(row[col], spec.get("format") or "auto", col, where)
     else:
         col = spec.get("prompt_column") or "prompt"
         if col not in row:
@@ -119,6 +123,54 @@ def _turns_from_row(row: dict, spec: dict, where: str) -> list[dict]:
     if spec.get("system_prompt") and not any(t["role"] == "system" for t in turns):
         turns = [{"role": "system", "content": spec["system_prompt"]}] + turns
     return turns
+
+
+#: chat formats of a ``messages_column`` (``format`` in a dataset's spec; ``auto``: decided per row)
+CHAT_FORMATS = ("auto", "openai", "sharegpt")
+
+#: ShareGPT speakers (``from``) and the chat-template role each becomes; ``gpt`` variants seen in public corpora
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+                  "bard": "assistant", "assistant": "assistant", "model": "assistant", "system": "system",
+                  "tool": "tool", "function": "tool", "observation": "tool", "function_call": "assistant"}
+
+
+def _chat_format(turns, fmt: str) -> str | None:
+    """The format ``turns`` are in (``openai`` / ``sharegpt``), or None when they fit neither (or not ``fmt``)."""
+    if not isinstance(turns, (list, tuple)) or not all(isinstance(t, dict) for t in turns):
+        return None
+    # a key counts when it holds a value: arrow gives rows of a file every key any row has, as None
+    fits = {"openai": all(t.get("role") is not None and "content" in t for t in turns),
+            "sharegpt": all(t.get("from") is not None and "value" in t for t in turns)}
+    if fmt != "auto":
+        return fmt if fits[fmt] else None
+    return next((f for f in ("openai", "sharegpt") if fits[f]), None)
+
+
+def _chat_turns(turns, fmt: str, col: str, where: str) -> list[dict]:
+    """A chat column's turns as ``{role, content}`` (ShareGPT speakers mapped by :data:`SHAREGPT_ROLES`)."""
+    if fmt not in CHAT_FORMATS:  # the schema refuses it first; this guards direct callers
+        raise UserError(f"{where}: format {fmt!r} is not one of {', '.join(CHAT_FORMATS)}")
+    if hasattr(turns, "tolist"):  # a parquet list column arrives as a numpy array
+        turns = turns.tolist()
+    found = _chat_format(turns, fmt)
+    if found is None:
+        wanted = {"openai": "{role, content}", "sharegpt": "{from, value}"}
+        what = " or ".join(wanted.values()) if fmt == "auto" else wanted[fmt]
+        first = next((t for t in turns if _chat_format([t], fmt) is None), None) if isinstance(turns, (list, tuple)) else turns
+        shown = sorted(k for k, v in first.items() if v is not None) if isinstance(first, dict) else (
+            "turns of both formats" if first is None else type(first).__name__)
+        raise UserError(f"{where}: column {col!r} must be a list of {what} turns (a turn has {shown}); "
+                        "set the dataset's `format` (auto, openai, sharegpt) or `messages_column`")
+    if found == "openai":
+        return [{"role": str(t["role"]), "content": str(t["content"])} for t in turns]
+    out = []
+    for t in turns:
+        speaker = str(t["from"]).strip().lower()
+        if speaker not in SHAREGPT_ROLES:
+            raise UserError(f"{where}: column {col!r}: ShareGPT speaker {t['from']!r} is not one of "
+                            f"{', '.join(sorted(SHAREGPT_ROLES))}")
+        out.append({"role": SHAREGPT_ROLES[speaker], "content": "" if t["value"] is None else str(t["value"])})
+    return out
 
 
 def split_prompt(turns: list[dict], where: str) -> tuple[list[dict], str | None]:

@@ -38,7 +38,7 @@ from dflashpipe.atomic import atomic_path, write_json
 from dflashpipe.data import read_parquet, screen_prompt, target_context
 from dflashpipe.errors import UserError
 from dflashpipe.expand_openai import ServerSettings
-from dflashpipe.target import end_token_ids
+from dflashpipe.target import describe_neutralised, end_token_ids, generation_arguments
 
 
 @dataclass
@@ -96,12 +96,11 @@ def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chu
     for start in range(0, len(order), s.batch_size):
         idx = order[start : start + s.batch_size]
         enc = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-        kwargs = dict(max_new_tokens=s.max_new_tokens, pad_token_id=tokenizer.pad_token_id, num_return_sequences=s.num_samples)
+        kwargs, _ = generation_arguments(getattr(model, "generation_config", None), s.max_new_tokens, s.temperature,
+                                         s.top_p, sorted(eos_ids), tokenizer.pad_token_id)
+        kwargs["num_return_sequences"] = s.num_samples
         if s.temperature > 0:
             torch.manual_seed(chunk_seed + start)
-            kwargs.update(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=0)
-        else:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         with torch.no_grad():
             gen = model.generate(**enc, **kwargs)
         gen = gen[:, enc["input_ids"].shape[1] :].cpu()
@@ -131,6 +130,13 @@ def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chu
     return out, new_tokens
 
 
+def _log_neutralised(generation_config, s: ExpandSettings, log) -> None:
+    """Name, once per job, the target's generation settings that regeneration does not apply."""
+    line = describe_neutralised(generation_arguments(generation_config, s.max_new_tokens, s.temperature, s.top_p)[1])
+    if line:
+        log(line)
+
+
 def _open_embedded(target_path: str, s: ExpandSettings, device: str, server: ServerSettings, log):
     """The target in this process: batched ``generate`` with a KV cache (:func:`_generate_chunk`)."""
     from dflashpipe.target import load_target
@@ -140,6 +146,7 @@ def _open_embedded(target_path: str, s: ExpandSettings, device: str, server: Ser
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    _log_neutralised(getattr(model, "generation_config", None), s, log)
 
     def generate(rows, chunk_seed, progress):
         return _generate_chunk(model, tokenizer, rows, s, chunk_seed, device, progress)
@@ -166,6 +173,7 @@ def _open_batched(target_path: str, s: ExpandSettings, device: str, server: Serv
     if why:
         raise UserError(f"expand.backend: batched cannot run {target_path}: {why}; use backend: embedded (or auto)")
     end_ids, context = set(end_token_ids(tokenizer, getattr(model, "generation_config", None))), target_context(model)
+    _log_neutralised(getattr(model, "generation_config", None), s, log)  # the slot decoder applies none of them
     compile_step = s.decode_step == "compiled" or (s.decode_step == "auto" and device.startswith("cuda"))
     decoder = None
 
@@ -176,18 +184,6 @@ def _open_batched(target_path: str, s: ExpandSettings, device: str, server: Serv
         todo = [i for i, r in enumerate(skip) if not r]
         # shortest prompts first, as the embedded backend: prefill groups with little padding
         requests = [i for i in sorted(todo, key=lambda i: len(ids[i])) for _ in range(s.num_samples)]
-        need = max((len(ids[i]) for i in todo), default=0) + s.max_new_tokens
-        if requests and (decoder is None or decoder.capacity < need):
-            capacity = -(-need // 256) * 256  # room for the longest prompt of this chunk, in steps of 256
-            slots = s.batch_size
-            decoder = None  # a smaller cache is given back before the larger one is sized
-            if device.startswith("cuda"):  # the cache may take 85% of what is free
-                gc.collect()
-                torch.cuda.empty_cache()
-                free = torch.cuda.mem_get_info(torch.device(device))[0]
-                slots = max(1, min(slots, int(0.85 * free) // (capacity * kv_bytes_per_token(model))))
-            decoder = SlotDecoder(model, slots, capacity, compile=compile_step)
-            log(f"batched decoding: {slots} rows x {capacity} positions of KV cache ({decoder.mode})")
         finished = 0
 
         def request_done(n: int, tokens: int) -> None:  # progress counts prompts: a prompt is done with its last sample
@@ -195,8 +191,24 @@ def _open_batched(target_path: str, s: ExpandSettings, device: str, server: Serv
             before, finished = finished // s.num_samples, finished + n
             progress(finished // s.num_samples - before, tokens)
 
-        results = decoder.generate([ids[i] for i in requests], s.max_new_tokens, end_ids, s.temperature, s.top_p,
-                                   chunk_seed, request_done) if requests else []
+        results = []
+        for group in length_groups([len(ids[i]) + s.max_new_tokens for i in requests]):
+            # every row of a cache is as long as its longest request: a long prompt gets a cache of its own
+            # (fewer rows where memory is short) instead of sizing every row of the shard for itself
+            need_min, need_max = group[0][1], group[-1][1]
+            if decoder is None or not need_max <= decoder.capacity <= _round_up(2 * need_min):
+                capacity = _round_up(need_max)
+                slots = s.batch_size
+                decoder = None  # the old cache is given back before the new one is sized
+                if device.startswith("cuda"):  # the cache may take 85% of what is free
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    free = torch.cuda.mem_get_info(torch.device(device))[0]
+                    slots = max(1, min(slots, int(0.85 * free) // (capacity * kv_bytes_per_token(model))))
+                decoder = SlotDecoder(model, slots, capacity, compile=compile_step)
+                log(f"batched decoding: {slots} rows x {capacity} positions of KV cache ({decoder.mode})")
+            results += decoder.generate([ids[requests[k]] for k, _ in group], s.max_new_tokens, end_ids, s.temperature,
+                                        s.top_p, chunk_seed + group[0][0], request_done)
         out, new_tokens, sample = [], 0, {}
         for i, reason in enumerate(skip):
             if reason:
@@ -211,6 +223,28 @@ def _open_batched(target_path: str, s: ExpandSettings, device: str, server: Serv
     return generate
 
 
+#: the columns of an expanded reply, whatever the backend (an empty shard writes them too)
+RECORD_COLUMNS = ["id", "sample", "messages", "response", "num_prompt_tokens", "num_new_tokens", "finish_reason",
+                  "token_ids"]
+
+
+def _round_up(n: int, step: int = 256) -> int:
+    return -(-int(n) // step) * step
+
+
+def length_groups(needs: list[int]) -> list[list[tuple[int, int]]]:
+    """Consecutive runs of ``needs`` (ascending: cache positions each request needs) that one KV cache
+    serves without any row's capacity exceeding twice its request's need (or 256): ``[(index, need), ...]``
+    per group. A typical chunk is one group; an over-long prompt starts a group of its own."""
+    groups: list[list[tuple[int, int]]] = []
+    for k, need in enumerate(needs):
+        if groups and _round_up(need) <= _round_up(2 * groups[-1][0][1]):
+            groups[-1].append((k, need))
+        else:
+            groups.append([(k, need)])
+    return groups
+
+
 def _record(rows: pd.DataFrame, i: int, sample: int, prompt_tokens: int, response: str, token_ids: list[int],
             finish_reason: str) -> dict:
     """One expanded reply (the columns every backend writes)."""
@@ -220,16 +254,48 @@ def _record(rows: pd.DataFrame, i: int, sample: int, prompt_tokens: int, respons
             "finish_reason": finish_reason, "token_ids": token_ids}
 
 
-def _open_auto(target_path: str, s: ExpandSettings, device: str, server: ServerSettings, log):
-    """``batched`` on a GPU when the target's layout allows it, else ``embedded``."""
+def _auto_backend(target_path: str, device: str) -> tuple[str, str | None]:
+    """What ``auto`` runs: ``batched`` on a GPU when the target's layout allows it, else ``embedded`` (and why not)."""
     from transformers import AutoConfig
 
     from dflashpipe.slot_decode import unsupported_reason
 
     why = unsupported_reason(type("M", (), {"config": AutoConfig.from_pretrained(target_path)})())
-    chosen = "batched" if device.startswith("cuda") and not why else "embedded"
+    return ("batched" if device.startswith("cuda") and not why else "embedded"), why
+
+
+def _open_auto(target_path: str, s: ExpandSettings, device: str, server: ServerSettings, log):
+    """``batched`` on a GPU when the target's layout allows it, else ``embedded``."""
+    chosen, why = _auto_backend(target_path, device)
     log(f"expand.backend auto: {chosen}" + (f" ({why})" if why and device.startswith("cuda") else ""))
     return BACKENDS[chosen](target_path, s, device, server, log)
+
+
+def decoder_identity(target_path: str, s: ExpandSettings, device: str) -> dict:
+    """What decodes the replies, as it will run: the backend ``auto`` resolves to, the device type, the
+    weights' dtype and the batched decode step (part of the chunks' identity: a chunk decoded by
+    another backend, dtype or device is not resumed into the same output)."""
+    backend = _auto_backend(target_path, device)[0] if s.backend == "auto" else s.backend
+    if backend == "openai":  # the server's own engine and dtype (expand.server is operational)
+        return {"backend": backend}
+    on_gpu = device.startswith("cuda")
+    out = {"backend": backend, "device": "cuda" if on_gpu else device.split(":")[0],
+           "dtype": "bfloat16" if on_gpu else "float32"}
+    if backend == "batched":
+        out["decode_step"] = "compiled" if s.decode_step == "compiled" or (s.decode_step == "auto" and on_gpu) else "static"
+    return out
+
+
+def decoding_code_digest() -> str:
+    """Digest of the library code an expansion runs (this module and what it imports, transitively): a
+    decoder fix discards the finished chunks instead of mixing old and new replies in one output."""
+    from dflashpipe.codedeps import module_closure
+
+    h = hashlib.sha256()
+    package = Path(__file__).resolve().parent
+    for f in module_closure(package, ["expand"]):
+        h.update(str(Path(f).relative_to(package)).encode() + b"\0" + Path(f).read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _open_openai(target_path: str, s: ExpandSettings, device: str, server: ServerSettings, log):
@@ -249,6 +315,7 @@ def _open_openai(target_path: str, s: ExpandSettings, device: str, server: Serve
         gen_config = GenerationConfig.from_pretrained(target_path)
     except OSError:  # no generation_config.json: what transformers derives from config.json, as for the model
         gen_config = GenerationConfig.from_model_config(model_config)
+    _log_neutralised(gen_config, s, log)
     context = target_context(SimpleNamespace(config=model_config))
     backend = OpenAIBackend(server, tokenizer, target_path, s, set(end_token_ids(tokenizer, gen_config)), log=log)
     warned = False
@@ -313,8 +380,11 @@ def expand_prompts(
 
     settings.check()
     prompts = shard_rows(read_prompts(prompts_path), shard, n_shards)
+    decoder = decoder_identity(target_path, settings, device)
     identity = {
         "settings": asdict(settings),
+        "decoder": decoder,
+        "code": decoding_code_digest(),
         "target_fingerprint": target_fingerprint(target_path),
         "prompts_digest": _file_digest(prompts_path),
         "shard": shard,
@@ -323,12 +393,10 @@ def expand_prompts(
     work = Path(str(out_path) + ".chunks")
     settings_file = work / "settings.json"
     if work.exists() and (not settings_file.exists() or json.loads(settings_file.read_text()) != json.loads(json.dumps(identity))):
-        log(f"settings changed since the chunks in {work} were written: discarding them")
+        log(f"settings changed (generation, decoder or decoding code) since the chunks in {work} were written: discarding them")
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
     write_json(settings_file, identity)
-
-    generate = BACKENDS[settings.backend](target_path, settings, device, server or ServerSettings(), log)
 
     n_chunks = (len(prompts) + settings.chunk_size - 1) // settings.chunk_size
     for c in range(n_chunks):  # a damaged chunk (e.g. a disk fault) is made again, not read
@@ -344,6 +412,10 @@ def expand_prompts(
         log(f"resuming: {done} of {n_chunks} chunks already written")
     t0, gen_tokens = time.time(), 0
     todo = [c for c in range(n_chunks) if not (work / f"chunk_{c:05d}.parquet").exists()]
+    if todo:  # a shard with nothing left to generate (or no prompts at all) loads no model
+        generate = BACKENDS[settings.backend](target_path, settings, device, server or ServerSettings(), log)
+    elif not n_chunks:
+        log(f"shard {shard} of {n_shards} has no prompts (the dataset has fewer rows than shards): writing an empty output")
     bar = tqdm(total=sum(len(prompts.iloc[c * settings.chunk_size : (c + 1) * settings.chunk_size]) for c in todo),
                desc=f"expand shard {shard} (prompts)", mininterval=5)
 
@@ -363,9 +435,12 @@ def expand_prompts(
         log(f"chunk {c + 1}/{n_chunks}: {len(records)} responses, {n_new} tokens, {n_new / (time.time() - tc):.0f} tok/s")
     bar.close()
 
-    df = pd.concat([pd.read_parquet(work / f"chunk_{c:05d}.parquet") for c in range(n_chunks)], ignore_index=True)
+    frames = [pd.read_parquet(work / f"chunk_{c:05d}.parquet") for c in range(n_chunks)]
+    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=RECORD_COLUMNS)
     for key in ("temperature", "top_p", "max_new_tokens", "seed"):
         df[key] = getattr(settings, key)
+    df["backend"] = decoder["backend"]  # what ran (expand.backend may say auto)
+    df["dtype"] = decoder.get("dtype")
     df["target"] = identity["target_fingerprint"]
     df["target_path"] = str(target_path)
     with atomic_path(out_path) as tmp:
@@ -387,7 +462,8 @@ def expand_prompts(
 
 def merge_shards(shard_paths: list[str], out_path: str) -> int:
     """Concatenate expanded shards into one parquet file (atomically)."""
-    df = pd.concat([read_parquet(p) for p in shard_paths], ignore_index=True)
+    frames = [read_parquet(p) for p in shard_paths]
+    df = pd.concat([f for f in frames if len(f)] or frames[:1], ignore_index=True)  # empty shards add nothing
     with atomic_path(out_path) as tmp:
         df.to_parquet(tmp, index=False)
     return len(df)

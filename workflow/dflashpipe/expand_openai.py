@@ -44,7 +44,10 @@ PROBE = [{"role": "user", "content": "Tokenizer probe 0123456789: naïve café �
           "def f(x):\n\treturn x ** 2  # 🙂 <b>bold</b> {\"k\": [1, 2.5e-3]} ...!?"}]
 # fields outside the OpenAI schema: vLLM/SGLang take them, `transformers serve` refuses unknown fields
 # (HTTP 422); they are dropped for the whole run when the probe is refused because of them
-EXTRA_FIELDS = ("return_token_ids", "top_k")
+EXTRA_FIELDS = ("return_token_ids", "top_k", "repetition_penalty", "min_p", "min_tokens")
+# sent with them: the neutral values of what vLLM (`--generation-config auto`, its default) and SGLang would
+# otherwise take from the target's generation_config.json (dflashpipe.target.generation_arguments)
+NEUTRAL_FIELDS = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0}
 # `transformers serve` samples only if the request's generation config says so (it never derives do_sample
 # from the temperature): when sampling without EXTRA_FIELDS, this is sent too (dropped if refused)
 HF_SAMPLING = {"generation_config": json.dumps({"do_sample": True, "top_k": 0})}
@@ -208,6 +211,7 @@ class OpenAIBackend:
                 body["seed"] = int(seed)
         if self.extras:
             body["return_token_ids"] = True
+            body.update(NEUTRAL_FIELDS)
             if s.temperature > 0:
                 body["top_k"] = -1  # no top-k cut, as the embedded backend (top_k=0 there); -1: disabled in vLLM/SGLang
         elif self.hf_sampling:

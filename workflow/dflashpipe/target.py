@@ -53,19 +53,22 @@ def load_target(path: str, device: str = "cpu", dtype=None, field: str = "target
 
 
 def target_fingerprint(path: str) -> str:
-    """A short stable identity of a target directory: its config, tokenizer and weight files.
+    """A short stable identity of a target directory: the names and contents of its files.
 
-    Weight files are identified by name and size (hashing many GB of weights
-    would dominate small jobs); config and tokenizer files by content.
+    Every file counts by content (a fine-tune swapped into the same directory is another target).
+    Files over 64 MB (the weights) count by their sha256, read once per file version and cached
+    (:func:`dflashpipe.filedigest.file_digest`): many GB are not re-read by every job.
     """
+    from dflashpipe.filedigest import file_digest
+
     p = check_target_dir(path)
     h = hashlib.sha256()
     for f in sorted(p.iterdir()):
         if not f.is_file():
             continue
         h.update(f.name.encode())
-        if f.name.endswith(WEIGHT_SUFFIXES) and f.stat().st_size > (64 << 20):
-            h.update(str(f.stat().st_size).encode())
+        if f.stat().st_size > (64 << 20):
+            h.update(b"sha256:" + file_digest(f).encode())
         else:
             h.update(f.read_bytes())
     return h.hexdigest()[:16]
@@ -175,3 +178,76 @@ def end_token_ids(tokenizer=None, generation_config=None) -> list[int]:
             if v is not None and int(v) not in ids:
                 ids.append(int(v))
     return ids
+
+
+#: ``generate`` arguments of a target's ``generation_config.json`` that change which token comes next (or when a
+#: reply ends), each with the value that leaves the model's distribution alone (transformers' global default)
+NEUTRAL_DECODING = {
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "min_length": 0, "min_new_tokens": 0, "typical_p": 1.0, "min_p": None,
+    "top_h": None, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "length_penalty": 1.0, "num_beams": 1,
+    "num_beam_groups": 1, "diversity_penalty": 0.0, "penalty_alpha": None, "dola_layers": None,
+    "bad_words_ids": None, "sequence_bias": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+    "forced_bos_token_id": None, "forced_eos_token_id": None, "exponential_decay_length_penalty": None,
+    "renormalize_logits": False, "remove_invalid_values": False, "guidance_scale": None,
+    "watermarking_config": None, "stop_strings": None, "max_time": None, "token_healing": False,
+}
+
+
+def generation_arguments(generation_config, max_new_tokens: int, temperature: float, top_p: float = 1.0,
+                         eos_ids: list[int] | None = None, pad_token_id: int | None = None) -> tuple[dict, dict]:
+    """``generate`` keyword arguments that decode exactly what the settings say, and what they neutralise.
+
+    Greedy (``temperature`` 0) is argmax; sampling is softmax(logits / temperature) with the
+    ``top_p`` cut and no top-k cut. transformers fills every argument left unset from the model's
+    ``generation_config`` (Qwen2.5-Instruct: ``repetition_penalty: 1.05``), so each
+    :data:`NEUTRAL_DECODING` key the target's config sets otherwise is passed with its neutral value.
+    Returns ``(kwargs, neutralised)``: ``neutralised`` maps each key of the target's config that
+    does not apply to its value there (for the log: :func:`describe_neutralised`). The batched and
+    server backends apply none of these by construction; they log the same ``neutralised``.
+    """
+    from transformers import GenerationConfig
+
+    known = GenerationConfig().to_dict()  # this transformers' keys (5.17 lacks some of 5.24's)
+    kw = {"max_new_tokens": int(max_new_tokens)}
+    if temperature > 0:
+        kw.update(do_sample=True, temperature=float(temperature), top_p=float(top_p), top_k=0)
+    else:
+        kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    if eos_ids is not None:
+        kw["eos_token_id"] = [int(e) for e in eos_ids]
+    if pad_token_id is not None:
+        kw["pad_token_id"] = int(pad_token_id)
+    neutralised = {}
+    sampled = bool(getattr(generation_config, "do_sample", None))
+    if temperature > 0 or sampled:  # greedy settings under greedy decoding change nothing: not worth a line
+        for key, neutral in (("do_sample", kw["do_sample"]), ("temperature", kw["temperature"]),
+                             ("top_p", kw["top_p"] or 1.0), ("top_k", 0)):
+            val = getattr(generation_config, key, None)
+            if val is not None and val != neutral:
+                neutralised[key] = val
+    for key, neutral in NEUTRAL_DECODING.items():
+        val = getattr(generation_config, key, None)
+        if key in known and val is not None and val != neutral:
+            kw[key] = neutral
+            neutralised[key] = val
+    return kw, neutralised
+
+
+def describe_neutralised(neutralised: dict, what: str = "regeneration") -> str | None:
+    """One log line naming the target's generation settings that do not apply (None: nothing to say)."""
+    if not neutralised:
+        return None
+    listed = ", ".join(f"{k}={v!r}" for k, v in sorted(neutralised.items()))
+    return (f"the target's generation_config sets {listed}: not applied, {what} decodes exactly what the config says "
+            "(greedy: argmax; sampling: temperature and top_p only)")
+
+
+def target_generation_config(path: str):
+    """The target's ``GenerationConfig`` as transformers would load it with the model (None: none derivable)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json: what transformers derives from config.json
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))

@@ -35,6 +35,7 @@ import time
 import torch
 
 from dflashpipe.errors import UserError
+from dflashpipe.target import generation_arguments
 
 from .spec_decode import DecodeResult, eos_ids_of, sync
 
@@ -84,19 +85,9 @@ def generation_kwargs(
     pad = getattr(tokenizer, "pad_token_id", None)
     if pad is None:
         pad = eos_ids[0] if eos_ids else None
-    kw = dict(
-        max_new_tokens=int(max_new_tokens),
-        min_new_tokens=0,
-        eos_token_id=list(eos_ids),
-        pad_token_id=pad,
-        repetition_penalty=1.0,
-        num_beams=1,
-    )
-    if temperature > 0:
-        kw.update(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0)
-    else:
-        kw.update(do_sample=False)
-    return kw
+    # the one builder of every backend's arguments: nothing of the target's generation_config applies
+    return generation_arguments(getattr(target_model, "generation_config", None), max_new_tokens, temperature, 1.0,
+                                list(eos_ids), pad)[0]
 
 
 @torch.no_grad()
