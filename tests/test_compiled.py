@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 
 from dflashpipe.drafter import loss, model
 from dflashpipe.drafter.features import compiled_target_layer, context_features, trim_unused_layers
-from dflashpipe.drafter.loss import compiled_chunk_ce, decayed_ce
+from dflashpipe.drafter.loss import compiled_chunk_ce, block_loss
 from dflashpipe.drafter.masks import block_position_ids, dense_mask, sample_anchors
 
 torch.set_num_threads(1)
@@ -67,7 +67,7 @@ def test_compiled_loss_chunks_match_eager_with_a_padded_last_chunk():
 
     def run(ce):
         h = hidden.clone().requires_grad_()
-        value, acc = decayed_ce(h, W, labels, weights, chunk_size=8, ce=ce)  # 20 rows: chunks 8, 8, 4 (padded)
+        value, acc = block_loss(h, W, labels, weights, chunk_size=8, ce=ce)  # 20 rows: chunks 8, 8, 4 (padded)
         value.backward()
         return value.detach(), acc, h.grad
 

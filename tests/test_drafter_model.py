@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflashpipe.drafter.loss import decayed_ce
+from dflashpipe.drafter.loss import block_loss
 from dflashpipe.drafter.masks import (
     block_mask,
     block_position_ids,
@@ -153,7 +153,7 @@ def test_sdpa_backward_and_frozen_embedding_lm_head():
     block_ids, labels, w = build_block_inputs(ids, lm, anchors, keep, cfg.block_size, cfg.mask_token_id)
     hidden = model(embed(block_ids), th, block_position_ids(anchors, S, cfg.block_size),
                    dense_mask(anchors, keep, S, cfg.block_size))
-    loss, acc = decayed_ce(hidden, lm_head.weight, labels, w, chunk_size=16)
+    loss, acc = block_loss(hidden, lm_head.weight, labels, w, chunk_size=16)
     assert torch.isfinite(loss) and 0 <= acc.item() <= 1
     loss.backward()
     for name, p in model.named_parameters():
@@ -219,7 +219,7 @@ def test_chunked_loss_matches_reference_value_and_grad():
     h2, W2 = hidden.clone().requires_grad_(), W.clone().requires_grad_()
     ref = _reference_ce(h1, W1, labels, weights)
     ref.backward()
-    loss, _ = decayed_ce(h2, W2, labels, weights, chunk_size=5)
+    loss, _ = block_loss(h2, W2, labels, weights, chunk_size=5)
     (loss * 1.0).backward()
     torch.testing.assert_close(loss.double(), ref.double(), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(h2.grad, h1.grad, atol=1e-6, rtol=1e-5)
@@ -227,12 +227,12 @@ def test_chunked_loss_matches_reference_value_and_grad():
     # zero-weight rows get zero gradient; frozen weight gets none
     assert (h2.grad[0, :3] == 0).all()
     h3 = hidden.clone().requires_grad_()
-    loss3, _ = decayed_ce(h3, W, labels, weights, chunk_size=7)
+    loss3, _ = block_loss(h3, W, labels, weights, chunk_size=7)
     (2.0 * loss3).backward()
     torch.testing.assert_close(h3.grad, 2.0 * h1.grad, atol=1e-6, rtol=1e-5)
     # mixed dtypes (fp32 hidden, bf16 frozen head) run and stay close
     h4 = hidden.float().requires_grad_()
-    loss4, _ = decayed_ce(h4, W.bfloat16(), labels, weights.float(), chunk_size=4)
+    loss4, _ = block_loss(h4, W.bfloat16(), labels, weights.float(), chunk_size=4)
     loss4.backward()
     assert h4.grad.dtype == torch.float32
     torch.testing.assert_close(loss4.double(), ref.double(), atol=0.05, rtol=0.02)
@@ -240,7 +240,7 @@ def test_chunked_loss_matches_reference_value_and_grad():
 
 def test_chunked_loss_all_zero_weights():
     hidden = torch.randn(1, 4, H, requires_grad=True)
-    loss, acc = decayed_ce(hidden, torch.randn(V, H), torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4))
+    loss, acc = block_loss(hidden, torch.randn(V, H), torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4))
     assert loss.item() == 0 and acc.item() == 0
     loss.backward()
     assert (hidden.grad == 0).all()
@@ -253,5 +253,5 @@ def test_accuracy_hand_made():
     hidden = torch.eye(Hs)[[0, 1, 2, 3]].view(1, 4, Hs) * 5
     labels = torch.tensor([[0, 1, 3, 0]])  # correct, correct, wrong, wrong
     weights = torch.tensor([[1.0, 0.5, 0.25, 0.0]])  # last row skipped
-    _, acc = decayed_ce(hidden, W, labels, weights, chunk_size=2)
+    _, acc = block_loss(hidden, W, labels, weights, chunk_size=2)
     assert acc.item() == pytest.approx(1.5 / 1.75)

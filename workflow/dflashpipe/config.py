@@ -170,6 +170,14 @@ def _check_references(config: dict, source: str) -> None:
             f"{source}: train.batch_size ({train['batch_size']}) is the global batch of a step, split over "
             f"train.shards ({train['shards']}) GPUs; make it a multiple of train.shards"
         )
+    drafter = config["drafter"]
+    types = drafter["layer_types"]
+    if types is not None and len(types) != drafter["num_layers"]:
+        raise UserError(f"{source}: drafter.layer_types: {len(types)} entries for drafter.num_layers {drafter['num_layers']}")
+    if types is not None and "sliding_attention" in types and drafter["sliding_window"] is None:
+        raise UserError(f"{source}: drafter.layer_types: sliding_attention layers need drafter.sliding_window")
+    if drafter["sliding_window"] is not None and drafter["sliding_window"] < drafter["block_size"]:
+        raise UserError(f"{source}: drafter.sliding_window must be at least drafter.block_size ({drafter['block_size']})")
     if config["drafter"]["block_size"] * 2 > max(config["tokenize"]["buckets"]):
         raise UserError(f"{source}: tokenize.buckets: the largest bucket must hold at least 2 x drafter.block_size tokens")
 

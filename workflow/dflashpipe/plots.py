@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from dflashpipe.atomic import atomic_path  # noqa: E402
+from dflashpipe.tables import SIMULATED  # noqa: E402
 
 METHOD_LABELS = {
     "dflash": "DFlash",
@@ -98,6 +99,9 @@ def tau_speedup(eval_csv: str, out_png: str) -> None:
         b2 = ax_sp.bar(xs, g["speedup_vs_ar"], width, label=METHOD_LABELS[m])
         ax_tau.bar_label(b1, fmt="%.2f", fontsize=7)
         ax_sp.bar_label(b2, fmt="%.2f", fontsize=7)
+        if m == "dflash" and "simulated_tau" in g and g["simulated_tau"].notna().any():
+            ax_tau.plot(xs, g["simulated_tau"], "k_", markersize=18, mew=2.5,
+                        label="DFlash, simulated in training (held-out blocks)")
     for ax in (ax_tau, ax_sp):
         ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(datasets))])
         ax.set_xticklabels(datasets)
@@ -116,7 +120,8 @@ def per_position(positions_csv: str, out_png: str) -> None:
     df = pd.read_csv(positions_csv)
     fig, ax = plt.subplots(figsize=(7, 4))
     for d, g in df.groupby("dataset", sort=False):
-        ax.plot(g["position"], g["acceptance_rate"], "o-", label=d)
+        simulated = d == SIMULATED
+        ax.plot(g["position"], g["acceptance_rate"], "k--" if simulated else "o-", label=d)
     ax.set(xlabel="draft position k in the block", ylabel="P(accept k | accepted < k)", ylim=(0, 1.02),
            title="Per-position acceptance (DFlash)")
     ax.grid(alpha=0.3)

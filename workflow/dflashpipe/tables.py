@@ -24,8 +24,16 @@ def _write_csv(df: pd.DataFrame, path: str) -> None:
         df.to_csv(tmp, index=False)
 
 
-def eval_tables(eval_summaries: dict[str, str]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """(per dataset and method, per-position acceptance, acceptance-length histogram)."""
+def eval_tables(eval_summaries: dict[str, str], train_summary: str | None = None):
+    """(per dataset and method, per-position acceptance, acceptance-length histogram).
+
+    With the training summary, the DFlash rows also carry ``simulated_tau``: the
+    acceptance length the drafter's last held-out evaluation predicted (greedy, from the
+    training forward; :mod:`dflashpipe.drafter.heldout`), to set beside the measured
+    ``tau_pooled``; and the per-position table gets its predicted acceptance as the
+    rows of dataset ``simulated (training held-out)``.
+    """
+    train = json.loads(Path(train_summary).read_text()) if train_summary else {}
     rows, positions, histogram = [], [], []
     for dataset, path in eval_summaries.items():
         s = json.loads(Path(path).read_text())
@@ -36,6 +44,7 @@ def eval_tables(eval_summaries: dict[str, str]) -> tuple[pd.DataFrame, pd.DataFr
                     "dataset": dataset,
                     "method": method,
                     **{c: m.get(c) for c in EVAL_COLUMNS},
+                    "simulated_tau": train.get("heldout_sim_tau") if method == "dflash" else None,
                     "lossless_passed": lossless.get("passed") if method == "dflash" else None,
                     "device": s.get("device_name"),
                     "dtype": s.get("dtype"),
@@ -48,7 +57,13 @@ def eval_tables(eval_summaries: dict[str, str]) -> tuple[pd.DataFrame, pd.DataFr
                 total = sum(counts) or 1
                 for a, n in enumerate(counts):
                     histogram.append({"dataset": dataset, "accepted": a, "steps": n, "fraction": n / total})
+    for k, rate in enumerate(train.get("heldout_accept_by_position") or [], start=1):
+        positions.append({"dataset": SIMULATED, "position": k, "acceptance_rate": rate})
     return pd.DataFrame(rows), pd.DataFrame(positions), pd.DataFrame(histogram)
+
+
+#: the per-position rows predicted by training's held-out evaluation
+SIMULATED = "simulated (training held-out)"
 
 
 def training_table(metrics_csv: str) -> pd.DataFrame:
@@ -72,11 +87,12 @@ def compile_table(stamps: list[str], train_summary: str) -> pd.DataFrame:
 
 
 def write_tables(eval_summaries, metrics_csv, train_summary, stamps, out: dict, log=print) -> None:
-    ev, pos, hist = eval_tables(eval_summaries)
+    ev, pos, hist = eval_tables(eval_summaries, train_summary)
     _write_csv(ev, out["eval"])
     _write_csv(pos, out["positions"])
     _write_csv(hist, out["histogram"])
     _write_csv(training_table(metrics_csv), out["training"])
     _write_csv(compile_table(stamps, train_summary), out["compile"])
-    cols = ["dataset", "method", "tau_pooled", "tokens_per_s", "speedup_vs_ar", "tokens_per_target_forward"]
+    cols = ["dataset", "method", "tau_pooled", "simulated_tau", "tokens_per_s", "speedup_vs_ar",
+            "tokens_per_target_forward"]
     log("\n" + ev[cols].to_string(index=False))

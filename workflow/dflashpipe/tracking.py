@@ -42,7 +42,7 @@ from dflashpipe.errors import UserError
 STEP_GROUPS = {
     "loss": "train", "acc": "train", "lr": "train", "grad_norm": "train", "epoch": "train",
     "tokens_per_s": "perf", "tokens_per_s_per_gpu": "perf", "step_seconds": "perf", "peak_mem_mb": "perf",
-    "heldout_loss": "heldout", "heldout_acc": "heldout",
+    "heldout_loss": "heldout", "heldout_acc": "heldout", "heldout_sim_tau": "heldout",
 }  # fmt: skip
 
 
@@ -122,14 +122,16 @@ class Tracker:
         if self._wandb is not None and values:
             self._wandb.log(values, step=step)
 
-    def log_step(self, row: dict, acc_by_position: list | None = None) -> None:
+    def log_step(self, row: dict, acc_by_position: list | None = None, accept_by_position: list | None = None) -> None:
         """One row of the metrics CSV (the figures exactly as written there), and the held-out
-        accuracy per block position (position 1 first) when this step evaluated."""
+        accuracy and conditional acceptance per block position (position 1 first) when this step evaluated."""
         if not self.enabled:
             return
         values = {tag_for(col): _number(row.get(col)) for col in STEP_GROUPS}
         for k, a in enumerate(acc_by_position or [], start=1):
             values[f"heldout/acc_pos{k:02d}"] = _number(a)
+        for k, a in enumerate(accept_by_position or [], start=1):
+            values[f"heldout/accept_pos{k:02d}"] = _number(a)
         self._write(int(row["step"]), values)
 
     def log_start(self, step: int, hot: dict | None, first_step_seconds: float | None,

@@ -89,7 +89,7 @@ def _layer_masks(inner, embeds, attention_mask, position_ids):
 
 
 @torch.no_grad()
-def _fast_features(target, input_ids, attention_mask, layer_ids, layer_fn):
+def _fast_features(target, input_ids, attention_mask, layer_ids, layer_fn, final: bool = False):
     inner = target.model
     B, S = input_ids.shape
     x = inner.embed_tokens(input_ids)
@@ -101,11 +101,12 @@ def _fast_features(target, input_ids, attention_mask, layer_ids, layer_fn):
     # the model's own depth, not len(layers): trim_unused_layers may have dropped the tail
     wanted, last_layer = set(layer_ids), inner.config.num_hidden_layers - 1
     out = {}
-    for i in range(max(layer_ids) + 1):
+    for i in range((last_layer if final else max(layer_ids)) + 1):
         x = layer_fn(inner.layers[i], x, masks[types[i]], position_ids, position_embeddings)
         if i in wanted:
             out[i] = inner.norm(x) if i == last_layer else x  # HF: hidden_states[L] is post-norm
-    return torch.cat([out[i] for i in layer_ids], dim=-1)
+    feats = torch.cat([out[i] for i in layer_ids], dim=-1)
+    return (feats, inner.norm(x)) if final else feats
 
 
 def trim_unused_layers(target, layer_ids) -> int:
@@ -129,19 +130,25 @@ def trim_unused_layers(target, layer_ids) -> int:
 
 
 @torch.no_grad()
-def _hf_features(target, input_ids, attention_mask, layer_ids):
-    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+def _hf_features(target, input_ids, attention_mask, layer_ids, final: bool = False):
+    out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
+                 logits_to_keep=1)
     hs = out.hidden_states
-    return torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
+    feats = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
+    return (feats, hs[-1]) if final else feats
 
 
 @torch.no_grad()
-def context_features(target, input_ids, attention_mask, layer_ids, path: str = "auto", layer_fn=None) -> torch.Tensor:
+def context_features(target, input_ids, attention_mask, layer_ids, path: str = "auto", layer_fn=None,
+                     final: bool = False):
     """[B, S] token ids -> [B, S, len(layer_ids) * H] features (see module docstring).
 
     ``path``: "auto" (fast when the layout allows, else HF), "fast" (error if
     impossible) or "hf" (always ``output_hidden_states``). ``layer_fn``: how the
     fast path runs a layer (eager by default; :func:`compiled_target_layer`).
+    ``final``: also return the target's last hidden state after its final norm
+    [B, S, H] (what its LM head reads: the distillation loss's teacher), running
+    every layer; then the result is ``(features, final)``.
     """
     layer_ids = [int(i) for i in layer_ids]
     if not layer_ids:
@@ -149,9 +156,9 @@ def context_features(target, input_ids, attention_mask, layer_ids, path: str = "
     if path not in ("auto", "fast", "hf"):
         raise ValueError(f"context_features: path must be auto, fast or hf, got {path!r}")
     if path != "hf" and has_standard_layout(target):
-        feats = _fast_features(target, input_ids, attention_mask, layer_ids, layer_fn or _run_layer)
+        feats = _fast_features(target, input_ids, attention_mask, layer_ids, layer_fn or _run_layer, final)
         if feats is not None:
             return feats
     if path == "fast":
         raise ValueError(f"context_features: {type(target).__name__} does not have the standard HF decoder layout")
-    return _hf_features(target, input_ids, attention_mask, layer_ids)
+    return _hf_features(target, input_ids, attention_mask, layer_ids, final)

@@ -1,4 +1,16 @@
-"""Held-out evaluation of the drafter during training: loss and accuracy on fixed anchors."""
+"""Held-out evaluation of the drafter during training: loss, accuracy and a simulated acceptance length.
+
+The simulated acceptance length (``sim_tau``) answers "what tau would greedy decoding
+see on these blocks?" from the training forward alone: per held-out block (the
+target's own reply as the labels, fixed anchors), the drafter's proposals for
+positions 1..bs-1 (DFlash: the argmax; DFlash 2: the candidate selector's path, as at
+inference) are compared with the labels; the block's accepted length is 1 (the
+target's bonus token) plus its leading run of correct proposals, positions without
+a label (past the reply's end) passing through uncounted, as SpecForge counts it.
+``sim_tau`` is its mean over blocks; per position, ``accept_by_position`` is the
+conditional acceptance P(correct at k | accepted up to k), whose running product
+summed gives the same figure.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +19,6 @@ import torch
 
 from .data import HELDOUT_SALT, make_batch, sample_seed
 from .distributed import all_reduce_
-from .loss import decayed_ce
 from .masks import build_block_inputs
 from .step import Setup, forward_loss
 
@@ -22,24 +33,22 @@ def heldout_loss(drafter, target, ds, heldout_idx: np.ndarray, buckets: np.ndarr
 
 @torch.no_grad()
 def heldout_figures(drafter, target, ds, heldout_idx: np.ndarray, buckets: np.ndarray, setup: Setup, seed: int,
-                    pad_id: int, rank: int, world_size: int, by_position: bool = False) -> dict:
-    """Held-out ``loss`` and weighted ``acc`` (as :func:`heldout_loss`); with ``by_position`` also
-    ``acc_by_position``: top-1 accuracy at block positions 1..block_size-1 (None without one).
+                    pad_id: int, rank: int, world_size: int) -> dict:
+    """Held-out ``loss`` and weighted ``acc`` (as :func:`heldout_loss`), ``acc_by_position`` (top-1
+    accuracy of the proposals at block positions 1..bs-1), ``accept_by_position`` and ``sim_tau``
+    (module docstring); None where there is nothing to measure.
 
-    Each rank takes every world_size-th held-out sample; sums are all-reduced
-    (``by_position`` must be the same on every rank). Batches have one rank's
-    training shape [rank_batch, bucket] (padded with empty rows), so no new
-    graph is compiled for them. The per-position figures reuse the forward's
-    output (a hook on the drafter) and its labels and weights, one position at
-    a time through the LM head: together one more LM-head pass, no more forwards.
+    Each rank takes every world_size-th held-out sample; sums are all-reduced.
+    Batches have one rank's training shape [rank_batch, bucket] (padded with empty
+    rows), so no new graph is compiled for them. The proposals reuse the forward's
+    output (a hook on the drafter): one more LM-head pass, no more forwards.
     """
     was_training = drafter.training
     drafter.eval()
     bs = setup.block_size
-    extra = 2 * (bs - 1) if by_position else 0
-    sums = torch.zeros(3 + extra, dtype=torch.float32, device=setup.device)
+    sums = torch.zeros(4 + 4 * (bs - 1) + 2, dtype=torch.float32, device=setup.device)
     seen = {}
-    hook = drafter.register_forward_hook(lambda _m, _a, out: seen.__setitem__("hidden", out)) if by_position else None
+    hook = drafter.register_forward_hook(lambda _m, _a, out: seen.__setitem__("hidden", out))
     try:
         mine = heldout_idx[rank::world_size]
         for b in sorted(set(buckets[mine].tolist())):
@@ -49,34 +58,50 @@ def heldout_figures(drafter, target, ds, heldout_idx: np.ndarray, buckets: np.nd
                 seeds = [sample_seed(seed, HELDOUT_SALT, int(i)) for i in idx]  # fixed per sample
                 batch = make_batch(ds[idx.tolist()], int(b), seeds, pad_id, setup.num_anchors, setup.block_size,
                                    setup.device, pad_rows_to=setup.rank_batch)
-                ce_sum, correct, w_sum = forward_loss(drafter, target, batch, setup)
-                sums[:3] += torch.stack([ce_sum, correct, w_sum]).float()
-                if by_position:
-                    sums[3:] += _position_sums(seen.pop("hidden"), target, batch, setup)
+                sums[:4] += torch.stack(forward_loss(drafter, target, batch, setup)).float()
+                sums[4:] += acceptance_sums(drafter, seen.pop("hidden"), target, batch, setup)
     finally:
-        if hook is not None:
-            hook.remove()
+        hook.remove()
     all_reduce_(sums)
     drafter.train(was_training)
-    if sums[2].item() <= 0:
-        return {"loss": None, "acc": None, "acc_by_position": None}
-    by_pos = None
-    if by_position:
-        correct, weight = sums[3:].view(2, bs - 1)
-        by_pos = [(c / w).item() if w > 0 else None for c, w in zip(correct, weight)]
-    return {"loss": (sums[0] / sums[2]).item(), "acc": (sums[1] / sums[2]).item(), "acc_by_position": by_pos}
+    if sums[3].item() <= 0:
+        return {"loss": None, "acc": None, "acc_by_position": None, "accept_by_position": None, "sim_tau": None}
+    correct, valid, accepted, reached = sums[4 : 4 + 4 * (bs - 1)].view(4, bs - 1)
+    tau_sum, blocks = sums[-2:]
+
+    def ratio(a, b):
+        return [(x / y).item() if y > 0 else None for x, y in zip(a, b)]
+
+    return {"loss": (sums[0] / sums[2]).item(), "acc": (sums[1] / sums[3]).item(),
+            "acc_by_position": ratio(correct, valid), "accept_by_position": ratio(accepted, reached),
+            "sim_tau": (tau_sum / blocks).item() if blocks > 0 else None}
 
 
-def _position_sums(hidden, target, batch, setup: Setup) -> torch.Tensor:
-    """[sum w*correct at positions 1..bs-1, then sum w at them] of one held-out batch (the training weights)."""
+@torch.no_grad()
+def proposals(drafter, hidden: torch.Tensor, block_ids: torch.Tensor, lm_head: torch.Tensor, bs: int,
+              chunk_rows: int) -> torch.Tensor:
+    """The drafter's proposal at every block position [B, N*bs] (position 0: the anchor itself), as
+    inference makes it (:meth:`DFlashDrafter.propose`), over chunks of blocks."""
+    B, Q, H = hidden.shape
+    blocks = hidden.reshape(-1, bs, H)[:, 1:]
+    anchors = block_ids.reshape(-1, bs)[:, 0]
+    step = max(1, chunk_rows // (bs - 1))
+    out = [drafter.propose(blocks[s : s + step], anchors[s : s + step], lm_head) for s in range(0, blocks.shape[0], step)]
+    return torch.cat([anchors[:, None], torch.cat(out)], dim=1).view(B, Q)
+
+
+def acceptance_sums(drafter, hidden, target, batch, setup: Setup) -> torch.Tensor:
+    """Per-position sums [correct, valid, accepted, reached] x (bs-1), then [sum of block taus, blocks]."""
     bs = setup.block_size
-    _, labels, weights = build_block_inputs(batch.input_ids, batch.loss_mask, batch.anchors, batch.keep, bs,
-                                            setup.mask_token_id, setup.gamma)
-    lm_head = target.get_output_embeddings().weight
-    position = torch.arange(weights.shape[1], device=weights.device) % bs
-    correct, weight = [], []
-    for k in range(1, bs):
-        w_k = weights * (position == k)
-        correct.append(decayed_ce(hidden, lm_head, labels, w_k, setup.loss_chunk_size, reduction="sum")[1])
-        weight.append(w_k.sum())
-    return torch.stack([*correct, *weight]).float()
+    block_ids, labels, weights = build_block_inputs(batch.input_ids, batch.loss_mask, batch.anchors, batch.keep, bs,
+                                                    setup.mask_token_id, setup.gamma)
+    pred = proposals(drafter, hidden, block_ids, target.get_output_embeddings().weight, bs, setup.loss_chunk_size)
+    valid = (weights > 0).view(-1, bs)[:, 1:]
+    correct = (pred == labels).view(-1, bs)[:, 1:] & valid
+    miss = valid & ~correct
+    reached = valid & (torch.cumsum(miss.int(), dim=1) - miss.int() == 0)  # no miss before k
+    accepted = reached & correct
+    live = valid.any(dim=1)
+    taus = (1 + accepted.sum(dim=1)).float()[live]
+    per_position = torch.stack([correct.sum(0), valid.sum(0), accepted.sum(0), reached.sum(0)]).float().reshape(-1)
+    return torch.cat([per_position, torch.stack([taus.sum(), live.sum().float()])])

@@ -1,7 +1,7 @@
-"""Decay-weighted cross-entropy through the target's LM head, chunked.
+"""The drafter's loss through the target's LM head, chunked: CE on the data, or KL to the target.
 
 The [B*Q, V] logits (Q = N*bs, e.g. 8192 x 151k for Qwen3) never exist at once:
-the LM head + CE run over chunks of rows, and so does the backward.
+the LM head and the loss run over chunks of rows, and so does the backward.
 
 Approach: a custom ``autograd.Function`` that, in its forward, computes per
 chunk the logits, the loss and (when a gradient is needed) the gradient of the
@@ -10,6 +10,20 @@ then drops the chunk's logits. The backward only scales the stored gradients by
 the incoming scalar. This is the "fused linear cross-entropy" trick: one LM head
 matmul forward plus one for the gradient, no recompute, peak memory one chunk of
 logits. Positions with zero weight are dropped before the LM head.
+
+What is minimised per row (:class:`Objective`), weighted by the row's position weight:
+
+* ``ce``: cross-entropy with the data's next token (the paper's recipe);
+* ``kl``: KL(p || q) from the target's own next-token distribution p (its LM head
+  on its last hidden state at the position before the label: the teacher rows,
+  chunked the same way) to the drafter's q: distillation;
+* plus, with ``tv_weight`` > 0, that multiple of the total variation
+  0.5 * sum |p - q| (p: the teacher, or the one-hot label for ``ce``), whose
+  complement is the probability that speculative sampling accepts the draft.
+
+DFlash 2's logits are scaled (``multiplier``) and soft-capped (``cap``) before the
+softmax; the gradient goes through both. Accuracy (top-1 = the data's label) is
+counted the same way for every objective.
 """
 
 from __future__ import annotations
@@ -19,26 +33,62 @@ from typing import Callable
 
 import torch
 
+LOSSES = ("ce", "kl")
 
-def _chunk_stats(logits: torch.Tensor, y: torch.Tensor, w: torch.Tensor, need_grad: bool, fp32_grad: bool = False):
-    """One chunk: (sum w*CE, sum w*correct, d(sum w*CE)/d logits or None).
 
-    logits [c, V] in the LM head's dtype, y [c] long, w [c] fp32; the math runs in
-    fp32 and the gradient comes back in the logits' dtype (fp32 with
-    ``fp32_grad``, for accumulating an LM-head weight gradient). Compiled (see
-    :func:`compiled_chunk_ce`), this is one or two fused passes over the logits
-    instead of a dozen eager kernels each reading or writing a [c, V] fp32 tensor.
+@dataclass(frozen=True)
+class Objective:
+    """What a row's loss is (see the module docstring); hashable, so compiled chunks can guard on it."""
+
+    loss: str = "ce"
+    tv_weight: float = 0.0
+    multiplier: float = 1.0
+    cap: float | None = None
+
+    @property
+    def needs_teacher(self) -> bool:
+        return self.loss == "kl"
+
+
+CE = Objective()
+
+
+def _chunk_stats(logits, y, teacher, obj: Objective, need_grad: bool):
+    """One chunk of rows: (loss per row [c], correct per row [c], d loss_row / d logits [c, V] or None).
+
+    logits [c, V] (the drafter's, before any transform) in the LM head's dtype; y [c]
+    long; teacher [c, V] (the target's logits) or None. The math runs in fp32, and so
+    does the gradient. Compiled (see :func:`compiled_chunk_ce`), this is a few fused
+    passes over the logits instead of a dozen eager kernels.
     """
-    x = logits.float()
+    raw = logits.float()
+    x = raw * obj.multiplier if obj.multiplier != 1.0 else raw
+    if obj.cap is not None:
+        x = torch.tanh(x / obj.cap) * obj.cap
     lse = torch.logsumexp(x, dim=-1)
-    tgt = x.gather(1, y[:, None])[:, 0]
-    loss_sum = ((lse - tgt) * w).sum()
-    correct = ((x.argmax(dim=-1) == y).float() * w).sum()
-    if not need_grad:
-        return loss_sum, correct, None
+    correct = (x.argmax(dim=-1) == y).float()
     onehot = torch.arange(x.shape[1], device=x.device)[None, :] == y[:, None]
-    g = (torch.exp(x - lse[:, None]) - onehot.float()) * w[:, None]  # w * (softmax - onehot)
-    return loss_sum, correct, g if fp32_grad else g.to(logits.dtype)
+    if teacher is None:
+        per_row = lse - x.gather(1, y[:, None])[:, 0]
+        p = onehot.float()
+    else:
+        log_p = torch.log_softmax(teacher.float(), dim=-1)
+        p = log_p.exp()
+        per_row = (p * (log_p - (x - lse[:, None]))).sum(-1)
+    q = torch.exp(x - lse[:, None])
+    if obj.tv_weight > 0:
+        per_row = per_row + obj.tv_weight * 0.5 * (q - p).abs().sum(-1)
+    if not need_grad:
+        return per_row, correct, None
+    g = q - p  # d(CE or KL)/dx
+    if obj.tv_weight > 0:
+        s = torch.sign(q - p)
+        g = g + obj.tv_weight * 0.5 * q * (s - (s * q).sum(-1, keepdim=True))
+    if obj.cap is not None:
+        g = g * (1.0 - (x / obj.cap) ** 2)
+    if obj.multiplier != 1.0:
+        g = g * obj.multiplier
+    return per_row, correct, g
 
 
 @dataclass(frozen=True)
@@ -55,47 +105,65 @@ EAGER_CE = ChunkCE()
 
 
 def compiled_chunk_ce() -> ChunkCE:
-    """The per-chunk CE compiled, at one static chunk shape."""
+    """The per-chunk loss compiled, at one static chunk shape."""
     return ChunkCE(torch.compile(_chunk_stats, dynamic=False), static_shape=True)
 
 
-class _ChunkedLinearCE(torch.autograd.Function):
-    """(h [M, H], W [V, H], labels [M], w [M] float, chunk, ChunkCE) -> (sum_i w_i*CE_i, sum_i w_i*[argmax_i == label_i])."""
+def _pad_rows(t, n):
+    return torch.cat([t, t.new_zeros(n, *t.shape[1:])]) if n else t
+
+
+class _ChunkedLinearLoss(torch.autograd.Function):
+    """(h [M, H], W [V, H], labels [M], w [M], teacher_h [M, H] or None, chunk, ChunkCE, Objective, reweight)
+    -> (sum_i w_i*loss_i, sum_i w_i*[argmax_i == label_i], sum_i w_i).
+
+    ``reweight`` (optional, no gradient): per-row losses [M] -> the weights [M] the loss
+    uses instead of ``w`` (D-PACE); the accuracy keeps ``w``. The per-row gradients are
+    computed unweighted and scaled once every weight is known, so it costs no second
+    pass; an LM head weight that needs a gradient then cannot be trained (it is frozen).
+    """
 
     @staticmethod
-    def forward(ctx, h, weight, labels, w, chunk_size, ce):
+    def forward(ctx, h, weight, labels, w, teacher_h, chunk_size, ce, obj, reweight):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        loss_sum = torch.zeros((), dtype=torch.float32, device=h.device)
-        correct = torch.zeros((), dtype=torch.float32, device=h.device)
-        grad_h = torch.empty_like(h) if need_h else None
+        if need_w and reweight is not None:
+            raise ValueError("block_loss: a re-weighted loss (D-PACE) cannot train the LM head weight")
+        M = h.shape[0]
+        row_loss = torch.empty(M, dtype=torch.float32, device=h.device)
+        row_correct = torch.empty(M, dtype=torch.float32, device=h.device)
+        grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        for s in range(0, h.shape[0], chunk_size):
-            hc = h[s : s + chunk_size].to(weight.dtype)  # the LM head runs in its own dtype
-            yc, wc = labels[s : s + chunk_size], w[s : s + chunk_size].float()
+        for s in range(0, M, chunk_size):
+            hc, yc = h[s : s + chunk_size].to(weight.dtype), labels[s : s + chunk_size]  # the LM head's dtype
+            tc = teacher_h[s : s + chunk_size].to(weight.dtype) if teacher_h is not None else None
             n = hc.shape[0]
-            if ce.static_shape and n < chunk_size:  # one static shape for the compiled chunk
-                pad = chunk_size - n
-                hc = torch.cat([hc, hc.new_zeros(pad, hc.shape[1])])
-                yc, wc = torch.cat([yc, yc.new_zeros(pad)]), torch.cat([wc, wc.new_zeros(pad)])
+            pad = chunk_size - n if ce.static_shape else 0  # one static shape for the compiled chunk
+            hc, yc = _pad_rows(hc, pad), _pad_rows(yc, pad)
+            teacher = _pad_rows(tc, pad) @ weight.t() if tc is not None else None
             logits = hc @ weight.t()  # [c, V]
-            lsum, csum, g = ce.fn(logits, yc, wc, need_h or need_w, need_w)
-            loss_sum += lsum
-            correct += csum
-            del logits
+            lrow, crow, g = ce.fn(logits, yc, teacher, obj, need_h or need_w)
+            row_loss[s : s + n], row_correct[s : s + n] = lrow[:n], crow[:n]
+            del logits, teacher
             if g is not None:
+                g = g[:n]
                 if need_h:
-                    grad_h[s : s + n] = (g[:n].to(weight.dtype) @ weight).to(h.dtype)
+                    grad_h[s : s + n] = g.to(weight.dtype) @ weight  # unweighted: scaled below
                 if need_w:
-                    grad_w += g[:n].t() @ hc[:n].float()
+                    grad_w += (g * w[s : s + n, None].float()).t() @ hc[:n].float()
                 del g
+        wf = w.float()
+        lw = reweight(row_loss).float() if reweight is not None else wf
+        if grad_h is not None:
+            grad_h = (grad_h * lw[:, None]).to(h.dtype)
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
         ctx.has = (need_h, need_w)
         ctx.w_dtype = weight.dtype
-        ctx.mark_non_differentiable(correct)
-        return loss_sum, correct
+        correct, lw_sum = (row_correct * wf).sum(), lw.sum()
+        ctx.mark_non_differentiable(correct, lw_sum)
+        return (row_loss * lw).sum(), correct, lw_sum
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_correct):
+    def backward(ctx, grad_loss, grad_correct, grad_wsum):
         saved = list(ctx.saved_tensors)
         need_h, need_w = ctx.has
         gh = gw = None
@@ -104,10 +172,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
             gh = grad_h * grad_loss.to(grad_h.dtype)
         if need_w:
             gw = (saved.pop(0) * grad_loss).to(ctx.w_dtype)
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None
 
 
-def decayed_ce(
+def block_loss(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     labels: torch.Tensor,
@@ -115,24 +183,34 @@ def decayed_ce(
     chunk_size: int = 1024,
     reduction: str = "mean",
     ce: ChunkCE = EAGER_CE,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted-mean CE and weighted top-1 accuracy of the drafter's predictions.
+    objective: Objective = CE,
+    teacher_hidden: torch.Tensor | None = None,
+    reweight: Callable | None = None,
+):
+    """Weighted loss and weighted top-1 accuracy of the drafter's predictions.
 
     hidden [B, Q, H] (final-normed drafter output), lm_head_weight [V, H] (the
-    target's, usually frozen), labels [B, Q] long, weights [B, Q] float.
+    target's, usually frozen), labels [B, Q] long, weights [B, Q] float;
+    ``teacher_hidden`` [B, Q, H]: the target's last (normed) hidden state at the
+    position before each label, for ``objective.loss == "kl"``.
     Returns (loss, acc), both 0-dim float32 tensors; loss carries the gradient.
     Rows with weight 0 are skipped; if every weight is 0 both are 0 (and the
     loss stays connected to ``hidden`` so backward still works). Skipping uses a
     data-dependent ``nonzero`` (one host sync): call this outside any
-    ``torch.compile``d region. Logits and CE are computed in fp32.
+    ``torch.compile``d region. Logits and losses are computed in fp32.
 
-    ``reduction="sum"`` returns the weighted SUMS (sum w*CE, sum w*correct)
-    instead; data-parallel training divides them by the all-reduced weight sum
-    so the loss is normalised over the global batch. ``ce``: how a chunk is
-    reduced (eager by default; :func:`compiled_chunk_ce`).
+    ``reduction="sum"`` returns the weighted SUMS (sum w*loss, sum w*correct,
+    sum w') instead, w' being the loss's weights; data-parallel training divides
+    them by the all-reduced weight sums so the loss is normalised over the global
+    batch. ``ce``: how a chunk is reduced (eager by default;
+    :func:`compiled_chunk_ce`). ``reweight``: see :class:`_ChunkedLinearLoss`; it gets
+    the per-row losses of the rows with w > 0 and their indices into the flat
+    [B*Q] grid (``reweight(row_loss, idx) -> weights``).
     """
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"decayed_ce: reduction must be 'mean' or 'sum', got {reduction!r}")
+        raise ValueError(f"block_loss: reduction must be 'mean' or 'sum', got {reduction!r}")
+    if objective.needs_teacher and teacher_hidden is None:
+        raise ValueError(f"block_loss: loss {objective.loss!r} needs the target's hidden states (teacher_hidden)")
     H = hidden.shape[-1]
     h = hidden.reshape(-1, H)
     y = labels.reshape(-1)
@@ -141,8 +219,61 @@ def decayed_ce(
     total = w.sum()
     if idx.numel() == 0:
         zero = (hidden.sum() * 0.0).float()
-        return zero, zero.detach()
-    loss_sum, correct = _ChunkedLinearCE.apply(h[idx], lm_head_weight, y[idx], w[idx], int(chunk_size), ce)
+        return (zero, zero.detach(), zero.detach()) if reduction == "sum" else (zero, zero.detach())
+    teacher = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[idx] if objective.needs_teacher else None
+    rows = (lambda row_loss: reweight(row_loss, idx)) if reweight is not None else None
+    loss_sum, correct, loss_weight = _ChunkedLinearLoss.apply(h[idx], lm_head_weight, y[idx], w[idx], teacher,
+                                                              int(chunk_size), ce, objective, rows)
     if reduction == "sum":
-        return loss_sum, correct
-    return loss_sum / total, correct / total
+        return loss_sum, correct, loss_weight
+    return loss_sum / loss_weight.clamp(min=1e-12), correct / total
+
+
+def selector_loss(
+    selector,
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    previous: torch.Tensor,
+    target_tokens: torch.Tensor,
+    weights: torch.Tensor,
+    objective: Objective,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """DFlash 2's candidate-selector objective: sum of w * CE over each position's top-k candidates.
+
+    hidden [B, Q, H] (the drafter's final-normed output), previous [B, Q] (the token
+    before each position: the anchor for position 1, else the data's token at the
+    position before), target_tokens [B, Q] (the token the selector should pick: the
+    target's own argmax when a teacher is available, else the data's label), weights
+    [B, Q] (the loss's position weights). Candidates are the drafter's own top-k
+    (scaled and capped as ``objective`` says; no gradient through the choice); a
+    target token outside them replaces the k-th. The candidates' logits are
+    recomputed from their LM-head rows, so the gradient reaches the drafter through
+    them and the selector, and no [rows, V] tensor is kept for the backward.
+    Returns the weighted sum (0-dim, fp32).
+    """
+    H = hidden.shape[-1]
+    w = weights.reshape(-1).float()
+    idx = (w > 0).nonzero(as_tuple=True)[0]
+    total = (hidden.sum() * 0.0).float()
+    if idx.numel() == 0:
+        return total
+    h, prev, tgt, w = hidden.reshape(-1, H)[idx], previous.reshape(-1)[idx], target_tokens.reshape(-1)[idx], w[idx]
+    k = selector.top_k
+
+    def transform(z):
+        z = z.float() * objective.multiplier
+        return torch.tanh(z / objective.cap) * objective.cap if objective.cap is not None else z
+
+    for s in range(0, h.shape[0], chunk_size):
+        hc, tc = h[s : s + chunk_size], tgt[s : s + chunk_size]
+        with torch.no_grad():
+            cand = transform(hc.to(lm_head_weight.dtype) @ lm_head_weight.t()).topk(k, dim=-1).indices  # [c, k]
+            miss = (cand != tc[:, None]).all(-1)
+            cand[miss, -1] = tc[miss]
+            label = (cand == tc[:, None]).float().argmax(-1)
+        unary = transform(torch.einsum("ch,ckh->ck", hc.to(lm_head_weight.dtype), lm_head_weight[cand]))
+        scores = selector.scores(hc, unary, cand, prev[s : s + chunk_size])
+        ce = torch.nn.functional.cross_entropy(scores, label, reduction="none")
+        total = total + (ce * w[s : s + chunk_size]).sum()
+    return total

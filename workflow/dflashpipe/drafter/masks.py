@@ -85,7 +85,7 @@ def sample_anchors(
     return anchors.long(), keep
 
 
-def dflash_mask_mod(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, block_size: int):
+def dflash_mask_mod(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, block_size: int, window: int | None = None):
     """The mask_mod(b, h, q_idx, kv_idx) -> bool of DFlash training attention.
 
     anchors, keep: [B, N]. Keys are [context 0..S-1 ; blocks S..S+N*bs-1].
@@ -97,7 +97,10 @@ def dflash_mask_mod(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, blo
       the anchor itself does not exist yet at inference) and keep[b, bq];
     * block key  iff  it is in the same block (bidirectional) and keep[b, bq].
 
-    Padded blocks (keep=False) see nothing.
+    Padded blocks (keep=False) see nothing. With a sliding ``window`` (a
+    sliding-attention layer), a context key must also be within the window of the
+    query's position: ``anchors[b, bq] + q_idx % bs - kv_idx < window`` (the
+    block itself is always within it: window >= bs).
     """
     N = anchors.shape[1]
     S, bs = int(seq_len), int(block_size)
@@ -106,19 +109,23 @@ def dflash_mask_mod(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, blo
         bq = torch.clamp(q_idx // bs, max=N - 1)
         live = (q_idx < N * bs) & keep[b, bq]
         is_ctx = kv_idx < S
-        ctx_ok = is_ctx & (kv_idx < anchors[b, bq])
+        anchor = anchors[b, bq]
+        ctx_ok = is_ctx & (kv_idx < anchor)
+        if window is not None:
+            ctx_ok = ctx_ok & (anchor + q_idx % bs - kv_idx < window)
         blk_ok = (~is_ctx) & ((kv_idx - S) // bs == bq)
         return live & (ctx_ok | blk_ok)
 
     return mask_mod
 
 
-def dense_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+def dense_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, block_size: int,
+               window: int | None = None) -> torch.Tensor:
     """bool [B, 1, N*bs, S+N*bs] (True = visible), by evaluating :func:`dflash_mask_mod` on index grids."""
     B, N = anchors.shape
     Q, K = N * block_size, seq_len + N * block_size
     dev = anchors.device
-    mod = dflash_mask_mod(anchors, keep, seq_len, block_size)
+    mod = dflash_mask_mod(anchors, keep, seq_len, block_size, window)
     b = torch.arange(B, device=dev).view(B, 1, 1, 1)
     h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=dev)
     q = torch.arange(Q, device=dev).view(1, 1, Q, 1)
@@ -126,14 +133,15 @@ def dense_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, block_si
     return mod(b, h, q, kv).expand(B, 1, Q, K)
 
 
-def block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, block_size: int, device=None, **kwargs):
+def block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, block_size: int, device=None,
+               window: int | None = None, **kwargs):
     """flex_attention ``BlockMask`` for (Q=N*bs, KV=S+N*bs) from the same :func:`dflash_mask_mod`.
 
     Extra kwargs (e.g. ``BLOCK_SIZE``) go to ``create_block_mask``.
     """
     B, N = anchors.shape
     device = anchors.device if device is None else device
-    mod = dflash_mask_mod(anchors, keep, seq_len, block_size)
+    mod = dflash_mask_mod(anchors, keep, seq_len, block_size, window)
     return create_block_mask(mod, B, None, N * block_size, seq_len + N * block_size, device=device, **kwargs)
 
 
@@ -183,3 +191,24 @@ def build_block_inputs(
     ok = inside & label_in_mask & keep[:, :, None]
     weights = torch.where(ok, decay.expand(B, N, bs), torch.zeros((), device=dev))
     return block_ids.view(B, N * bs), labels, weights.view(B, N * bs)
+
+
+#: How the loss weighs block positions: the paper's fixed exp(-(k-1)/gamma) decay, or D-PACE.
+POSITION_WEIGHTS = ("decay", "dpace")
+DPACE_ALPHA = 0.5
+
+
+@torch.no_grad()
+def dpace_weights(row_loss: torch.Tensor, valid: torch.Tensor, alpha: float = DPACE_ALPHA) -> torch.Tensor:
+    """D-PACE position weights of blocks, from the drafter's own current losses (no gradient).
+
+    row_loss, valid: [..., bs] per block position (valid: a supervised label; False at
+    the anchor). With s_k = (1 - alpha) exp(-loss_k) + alpha (1 where not valid) and
+    P_k = prod_{j<=k} s_j (the chance, as the model stands, that the block is still
+    accepted at k), w_k = valid_k * sum_{j>=k} valid_j P_j: the accepted length that
+    position k still stands to gain. Replaces the fixed exp decay (``POSITION_WEIGHTS``).
+    """
+    s = torch.where(valid, (1 - alpha) * torch.exp(-row_loss.float()) + alpha, torch.ones_like(row_loss, dtype=torch.float32))
+    reach = valid * torch.cumprod(s, dim=-1)
+    tail = reach.flip(-1).cumsum(-1).flip(-1)
+    return valid * tail

@@ -26,6 +26,19 @@ Two ways to run it:
 
 The embedding and LM head are NOT part of this module: they are the target's,
 frozen, and passed in by the caller.
+
+Two architectures (``DrafterConfig.arch``), one class:
+
+* ``dflash``: the paper's drafter, as above.
+* ``dflash2``: z-lab's DFlash 2 (``DFlash2DraftModel``): the same KV injection,
+  plus in every layer two grouped dynamic causal convolutions over the block's
+  positions (:class:`GroupedDynamicConv`, one around attention, one around the
+  MLP), logits scaled by ``output_multiplier`` and soft-capped, and a low-rank
+  :class:`CandidateSelector` that re-ranks the top-k candidates of each block
+  position given the token chosen before it (:meth:`DFlashDrafter.propose`).
+
+Either can have sliding-window layers (``layer_types`` / ``sliding_window``): a
+block query at position p sees a context key j only if p - j < sliding_window.
 """
 
 from __future__ import annotations
@@ -53,6 +66,11 @@ def _block_layer(layer, h, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, attn):
 #: ``layers``: each layer one compiled graph, shared by all layers, flex_attention traced inside;
 #: ``flex``: only flex_attention compiled; ``none``: eager (the default; CPU/SDPA training).
 COMPILE_MODES = ("layers", "flex", "none")
+ARCHS = ("dflash", "dflash2")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+#: DrafterConfig fields that choose the architecture (the config's ``drafter`` keys of the same names)
+ARCH_KEYS = ("arch", "layer_types", "sliding_window", "conv_kernel_size", "conv_group_size", "selector_rank",
+             "selector_top_k", "final_logit_softcapping", "output_multiplier")
 
 
 # ---------------------------------------------------------------------------
@@ -117,12 +135,30 @@ class DrafterConfig:
     rope_theta: float = 1e6
     max_position_embeddings: int = 32768
     block_size: int = 16
+    arch: str = "dflash"  # one of ARCHS
+    layer_types: list[str] | None = None  # per layer, one of LAYER_TYPES; None: all sliding iff sliding_window
+    sliding_window: int | None = None
+    # dflash2 only (z-lab's dflash_config keys)
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    final_logit_softcapping: float | None = None
+    output_multiplier: float = 1.0
 
     def __post_init__(self):
         if not self.target_layer_ids:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.layer_types is None:
+            kind = "sliding_attention" if self.sliding_window else "full_attention"
+            self.layer_types = [kind] * int(self.num_hidden_layers)
+        self.layer_types = list(self.layer_types)
         self.validate()
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: full attention)."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
     def validate(self) -> None:
         bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
@@ -146,6 +182,27 @@ class DrafterConfig:
             )
         if self.num_hidden_layers < 1:
             raise UserError(f"drafter config: num_hidden_layers={self.num_hidden_layers} must be >= 1")
+        if self.arch not in ARCHS:
+            raise UserError(f"drafter.arch: must be one of {', '.join(ARCHS)}, got {self.arch!r}")
+        if len(self.layer_types) != self.num_hidden_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+            raise UserError(
+                f"drafter.layer_types: need {self.num_hidden_layers} entries, each one of {', '.join(LAYER_TYPES)}; "
+                f"got {self.layer_types}"
+            )
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise UserError("drafter.layer_types: sliding_attention layers need drafter.sliding_window (a window in tokens)")
+        if self.sliding_window is not None and self.sliding_window < self.block_size:
+            raise UserError(
+                f"drafter.sliding_window ({self.sliding_window}) must be at least drafter.block_size ({self.block_size})"
+            )
+        if self.arch == "dflash2":
+            if self.hidden_size % self.conv_group_size:
+                raise UserError(
+                    f"drafter.conv_group_size ({self.conv_group_size}) must divide the hidden size ({self.hidden_size})"
+                )
+            if not 1 <= self.selector_top_k <= self.vocab_size or self.selector_rank < 1 or self.conv_kernel_size < 1:
+                raise UserError("drafter: selector_top_k, selector_rank and conv_kernel_size must be >= 1 "
+                                "(selector_top_k at most the vocabulary)")
 
     @classmethod
     def from_target_config(
@@ -155,11 +212,14 @@ class DrafterConfig:
         block_size: int = 16,
         mask_token_id: int | None = None,
         target_layer_ids: list[int] | None = None,
+        **arch_keys,
     ) -> "DrafterConfig":
         """Drafter shapes from an HF (Qwen3/Llama-like) target config.
 
         ``target_layer_ids=None`` -> :func:`default_target_layer_ids` with
         ``n = num_hidden_layers``, as the public DFlash reference does (paper: 5 and 5).
+        ``arch_keys``: the architecture fields (``arch``, ``layer_types``, ``sliding_window``
+        and the dflash2 keys), as the config's ``drafter`` section names them.
         """
         tc = target_config
         if mask_token_id is None:
@@ -184,6 +244,7 @@ class DrafterConfig:
             mask_token_id=int(mask_token_id),
             target_layer_ids=list(target_layer_ids),
             num_target_layers=L,
+            **arch_keys,
         )
 
     def to_dict(self) -> dict:
@@ -315,19 +376,113 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm Qwen3 decoder layer; only the block has a residual stream."""
+def _grouped_causal_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Causal convolution over each block's positions, one kernel per channel.
+
+    x [B, L, H] with L a multiple of ``block_size`` (blocks side by side, never
+    mixed: position 0 of a block sees no earlier position); dynamic [B, L, K, G]
+    (per position and channel group); base [K, H] (per channel).
+    out[t] = sum_o (base[o] + dynamic[t, o]) * x[t - o] within the block.
+    """
+    B, L, H = x.shape
+    K, G = base.shape[0], dynamic.shape[-1]
+    blocks = x.reshape(B * (L // block_size), block_size, G, H // G)
+    dyn = dynamic.reshape(B * (L // block_size), block_size, K, G, 1)
+    out = torch.zeros_like(blocks)
+    for o in range(K):
+        shifted = blocks if o == 0 else F.pad(blocks[:, :-o], (0, 0, 0, 0, o, 0))
+        out = out + (base[o].view(G, H // G).to(x.dtype) + dyn[:, :, o]) * shifted
+    return out.reshape(B, L, H)
+
+
+class GroupedDynamicConv(nn.Module):
+    """DFlash 2's short convolution inside a layer, in two halves around a sub-layer.
+
+    ``prepare`` convolves the sub-layer's input and returns the kernel for its
+    output; ``finish`` convolves the output. Each half's kernel is a static
+    per-channel ``base_kernel[half]`` [K, H] plus a dynamic part per position and
+    channel group, projected from the sub-layer's (normed) input. Initialised as
+    the identity (base tap 0 = 1, no dynamic part): a fresh DFlash 2 drafter
+    starts as a DFlash drafter.
+    """
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
+        H, K = cfg.hidden_size, cfg.conv_kernel_size
+        self.kernel_size, self.groups, self.block_size = K, H // cfg.conv_group_size, cfg.block_size
+        base = torch.zeros(2, K, H)
+        base[:, 0] = 1.0
+        self.base_kernel = nn.Parameter(base)
+        self.kernel_projection = nn.Linear(H, 2 * K * self.groups, bias=False)
+        nn.init.zeros_(self.kernel_projection.weight)
+
+    def prepare(self, x: torch.Tensor):
+        dyn = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        return _grouped_causal_conv(x, dyn[..., 0, :, :], self.base_kernel[0], self.block_size), dyn[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, dyn: torch.Tensor) -> torch.Tensor:
+        return _grouped_causal_conv(y, dyn, self.base_kernel[1], self.block_size)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Qwen3 decoder layer; only the block has a residual stream (DFlash 2: convolutions around
+    attention and MLP). ``layer_type``: full or sliding-window attention (the mask the caller passes)."""
+
+    def __init__(self, cfg: DrafterConfig, layer_type: str = "full_attention"):
+        super().__init__()
+        self.layer_type = layer_type
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        dflash2 = cfg.arch == "dflash2"
+        self.attention_conv = GroupedDynamicConv(cfg) if dflash2 else None
+        self.mlp_conv = GroupedDynamicConv(cfg) if dflash2 else None
 
     def forward(self, h, ctx_k, ctx_v, cos, sin, attn=None):
-        h = h + self.self_attn(self.input_layernorm(h), ctx_k, ctx_v, cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x = self.input_layernorm(h)
+        if self.attention_conv is None:
+            h = h + self.self_attn(x, ctx_k, ctx_v, cos, sin, attn)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        x, kernel = self.attention_conv.prepare(x)
+        h = h + self.attention_conv.finish(self.self_attn(x, ctx_k, ctx_v, cos, sin, attn), kernel)
+        x, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(x), kernel)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2's low-rank re-ranker of each block position's top-k candidates.
+
+    score(c | previous token t, hidden h) = logit(c) + <P[t] * W h, S[c]> with
+    codebooks P, S [V, rank] and W [rank, H]. The exported keys are
+    ``candidate_selector.{predecessor,successor}_codebook`` (no ``.weight``, as in
+    z-lab's checkpoints) and ``candidate_selector.hidden_projection.weight``.
+    The successor codebook starts at zero: a fresh selector ranks as the logits do.
+    """
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.top_k = cfg.selector_top_k
+        self.predecessor_codebook = nn.Parameter(torch.randn(cfg.vocab_size, cfg.selector_rank) * DFlashDrafter.INIT_STD)
+        self.successor_codebook = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.selector_rank))
+        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+
+    def scores(self, hidden, unary, candidates, previous):
+        """hidden [..., H], unary/candidates [..., k], previous [...] -> candidate scores [..., k]."""
+        proj = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))
+        query = self.predecessor_codebook[previous] * proj  # [..., rank]
+        pair = (self.successor_codebook[candidates] * query.unsqueeze(-2).to(self.successor_codebook.dtype)).sum(-1)
+        return unary.float() + pair.float()
+
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """Greedy path: hidden [B, P, H], logits [B, P, V], anchor_ids [B] -> tokens [B, P], position by position."""
+        unary, candidates = torch.topk(logits, self.top_k, dim=-1)
+        previous, path = anchor_ids, []
+        for i in range(hidden.shape[1]):
+            best = self.scores(hidden[:, i], unary[:, i], candidates[:, i], previous).argmax(dim=-1)
+            previous = candidates[:, i].gather(-1, best[:, None])[:, 0]
+            path.append(previous)
+        return torch.stack(path, dim=1)
 
 
 # ---------------------------------------------------------------------------
@@ -378,13 +533,18 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.cfg = cfg
         H = cfg.hidden_size
-        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, t) for t in cfg.layer_types])
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.candidate_selector = CandidateSelector(cfg) if cfg.arch == "dflash2" else None
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, mean=0.0, std=self.INIT_STD)
+        for layer in self.layers:  # the convolutions start as the identity
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                if conv is not None:
+                    nn.init.zeros_(conv.kernel_projection.weight)
         self.compile_mode = "none"
         self.layer_fn = _block_layer  # how forward() runs one layer
 
@@ -427,8 +587,35 @@ class DFlashDrafter(nn.Module):
         blk_cos, blk_sin = cos[:, :, S:], sin[:, :, S:]
         h = block_embeds
         for layer in self.layers:
-            h = self.layer_fn(layer, h, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, attn)
+            mask = attn[layer.layer_type] if isinstance(attn, dict) else attn
+            h = self.layer_fn(layer, h, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, mask)
         return self.norm(h)
+
+    def logit_transform(self) -> tuple[float, float | None]:
+        """(multiplier, soft cap) applied to the LM head's logits: (1, None) for DFlash."""
+        cap = self.cfg.final_logit_softcapping
+        return float(self.cfg.output_multiplier), (float(cap) if cap else None)
+
+    def compute_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Draft logits of hidden [..., H] through the target's LM head (DFlash 2: scaled and soft-capped)."""
+        logits = hidden.to(lm_head_weight.dtype) @ lm_head_weight.t()
+        mult, cap = self.logit_transform()
+        if mult != 1.0:
+            logits = logits * mult
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @torch.no_grad()
+    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Draft tokens of block positions 1..bs-1: hidden [B, bs-1, H], anchor_ids [B] -> [B, bs-1].
+
+        DFlash: the argmax of each position. DFlash 2: the candidate selector's greedy path.
+        """
+        logits = self.compute_logits(hidden, lm_head_weight)
+        if self.candidate_selector is None:
+            return logits.argmax(dim=-1)
+        return self.candidate_selector.select(hidden.to(logits.dtype), logits, anchor_ids)
 
     # -- inference ----------------------------------------------------------
 
@@ -455,9 +642,22 @@ class DFlashDrafter(nn.Module):
             raise ValueError("draft(): the cache holds no context; call extend_context first")
         cos, sin = self._rope(positions, block_embeds.dtype)
         h = block_embeds
+        ctx_positions = torch.arange(cache.seq_len, device=positions.device)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cache.k[i], cache.v[i], cos, sin, None)
+            h = layer(h, cache.k[i], cache.v[i], cos, sin, window_mask(positions, ctx_positions, self.cfg.window_of(i)))
         return self.norm(h)
+
+
+def window_mask(block_positions: torch.Tensor, ctx_positions: torch.Tensor, window: int | None):
+    """The inference mask of one drafted block: None (everything visible) without a window, else
+    bool [B, 1, Q, T+Q]: context key j visible iff position - j < window; the block sees itself whole.
+
+    block_positions [B, Q], ctx_positions [T] (context keys in cache order)."""
+    if window is None:
+        return None
+    ctx_ok = (block_positions[:, None, :, None] - ctx_positions.view(1, 1, 1, -1)) < window
+    B, Q = block_positions.shape
+    return torch.cat([ctx_ok, ctx_ok.new_ones(B, 1, Q, Q)], dim=-1)
 
 
 def expected_state_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -478,7 +678,17 @@ def expected_state_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp.down_proj.weight"] = (H, I)
         shapes[p + "input_layernorm.weight"] = (H,)
         shapes[p + "post_attention_layernorm.weight"] = (H,)
+        if cfg.arch == "dflash2":
+            G, K = H // cfg.conv_group_size, cfg.conv_kernel_size
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes[p + f"{conv}.base_kernel"] = (2, K, H)
+                shapes[p + f"{conv}.kernel_projection.weight"] = (2 * K * G, H)
     shapes["norm.weight"] = (H,)
     shapes["fc.weight"] = (H, len(cfg.target_layer_ids) * H)
     shapes["hidden_norm.weight"] = (H,)
+    if cfg.arch == "dflash2":
+        V, R = cfg.vocab_size, cfg.selector_rank
+        shapes["candidate_selector.predecessor_codebook"] = (V, R)
+        shapes["candidate_selector.successor_codebook"] = (V, R)
+        shapes["candidate_selector.hidden_projection.weight"] = (R, H)
     return shapes

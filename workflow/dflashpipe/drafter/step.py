@@ -25,8 +25,8 @@ from dflashpipe.errors import UserError
 from .data import PRIME_SALT, make_batch, sample_seed
 from .distributed import all_reduce_
 from .features import compiled_target_layer, context_features
-from .loss import EAGER_CE, ChunkCE, compiled_chunk_ce, decayed_ce
-from .masks import block_mask, block_position_ids, build_block_inputs, default_gamma, dense_mask
+from .loss import EAGER_CE, ChunkCE, Objective, block_loss, compiled_chunk_ce, selector_loss
+from .masks import block_mask, block_position_ids, build_block_inputs, default_gamma, dense_mask, dpace_weights
 
 
 @dataclass
@@ -51,6 +51,10 @@ class Setup:
     loss_chunk_size: int
     grad_clip: float
     rank_batch: int  # sequences per rank per step: train.batch_size / K
+    objective: Objective = Objective()  # what each block position's loss is (train.loss, DFlash 2's logit transform)
+    position_weights: str = "decay"  # train.position_weights: the fixed exp decay, or D-PACE
+    selector_weight: float = 0.0  # DFlash 2's candidate-selector loss, relative to the token loss
+    windows: dict = field(default_factory=lambda: {"full_attention": None})  # layer type -> sliding window
     target_layer: Callable | None = field(default=None, repr=False)  # None: eager target layers
     chunk_ce: ChunkCE = field(default=EAGER_CE, repr=False)
 
@@ -70,6 +74,11 @@ def resolve_setup(cfg, device: str, mask_token_id: int, layer_ids: list[int], wo
         )
     compile_mode = cfg.compile if attention == "flex" else "none"
     layers = compile_mode == "layers"
+    dflash2 = cfg.arch == "dflash2"
+    cap = cfg.final_logit_softcapping if dflash2 else None
+    objective = Objective(loss=cfg.loss, tv_weight=cfg.tv_weight, multiplier=cfg.output_multiplier if dflash2 else 1.0,
+                          cap=float(cap) if cap else None)
+    layer_types = cfg.layer_types or ["sliding_attention" if cfg.sliding_window else "full_attention"] * cfg.num_layers
     return Setup(
         device=dev,
         attention=attention,
@@ -84,6 +93,10 @@ def resolve_setup(cfg, device: str, mask_token_id: int, layer_ids: list[int], wo
         loss_chunk_size=cfg.loss_chunk_size,
         grad_clip=cfg.grad_clip,
         rank_batch=cfg.batch_size // world_size,
+        objective=objective,
+        position_weights=cfg.position_weights,
+        selector_weight=cfg.selector_weight if dflash2 else 0.0,
+        windows={t: (cfg.sliding_window if t == "sliding_attention" else None) for t in layer_types},
         target_layer=compiled_target_layer() if layers else None,  # torch.compile is lazy: nothing compiles here
         chunk_ce=compiled_chunk_ce() if layers else EAGER_CE,
     )
@@ -129,27 +142,63 @@ def _no_mark(phase: str) -> None:
     pass
 
 
+def attention_masks(batch, setup: Setup, S: int):
+    """The training attention mask(s): one per distinct layer type (a dict when layers differ)."""
+    build = block_mask if setup.attention == "flex" else dense_mask
+    kw = {"device": setup.device} if setup.attention == "flex" else {}
+    masks = {t: build(batch.anchors, batch.keep, S, setup.block_size, window=w, **kw) for t, w in setup.windows.items()}
+    return next(iter(masks.values())) if len(masks) == 1 else masks
+
+
+def _rows_before_labels(anchors: torch.Tensor, S: int, bs: int) -> torch.Tensor:
+    """[B, N*bs]: for block position k of each block, the position a + k - 1 (the token before the label)."""
+    B, N = anchors.shape
+    pos = anchors[:, :, None] + torch.arange(bs, device=anchors.device) - 1
+    return pos.clamp(0, S - 1).reshape(B, N * bs)
+
+
+def _dpace_reweight(weights: torch.Tensor, bs: int):
+    """``reweight`` for :func:`block_loss`: D-PACE weights of the rows it scores, from their losses."""
+    valid = (weights > 0).view(-1, bs)
+
+    def reweight(row_loss, idx):
+        grid = torch.zeros(valid.numel(), dtype=torch.float32, device=row_loss.device)
+        grid[idx] = row_loss.detach()
+        return dpace_weights(grid.view(-1, bs), valid).reshape(-1)[idx]
+
+    return reweight
+
+
 def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
-    """Local (sum w*CE, sum w*correct, sum w) of one batch. Loss sum carries the gradient.
+    """Local (sum w*loss, sum w*correct, sum of the loss's weights, sum w) of one batch; the loss sum
+    carries the gradient. ``w``: the fixed decay weights (accuracy always uses them; the loss
+    too unless ``position_weights`` is dpace).
 
     ``model`` is the drafter, or the drafter wrapped in DistributedDataParallel.
     ``mark(phase)`` is called after the target forward and after the drafter
     forward + loss (the benchmark times phases with it; a no-op otherwise).
     """
     S, bs = batch.input_ids.shape[1], setup.block_size
+    obj = setup.objective
+    drafter = getattr(model, "module", model)
+    selector = getattr(drafter, "candidate_selector", None) if setup.selector_weight > 0 else None
     with torch.no_grad():
         # Right padding: real tokens never see the pad after them, so no attention mask.
-        target_hidden = context_features(target, batch.input_ids, None, setup.layer_ids, layer_fn=setup.target_layer)
+        target_hidden = context_features(target, batch.input_ids, None, setup.layer_ids, layer_fn=setup.target_layer,
+                                         final=obj.needs_teacher)
+        teacher = None
+        if obj.needs_teacher:  # the target's last hidden state at the position before each label
+            target_hidden, final = target_hidden
+            rows = _rows_before_labels(batch.anchors, S, bs)
+            teacher = final.gather(1, rows[..., None].expand(-1, -1, final.shape[-1]))
+            del final
         block_ids, labels, weights = build_block_inputs(
             batch.input_ids, batch.loss_mask, batch.anchors, batch.keep, bs, setup.mask_token_id, setup.gamma
         )
         block_embeds = target.get_input_embeddings()(block_ids)
         position_ids = block_position_ids(batch.anchors, S, bs)
     mark("target_forward")
-    if setup.attention == "flex":
-        attn = block_mask(batch.anchors, batch.keep, S, bs, device=setup.device)
-    else:
-        attn = dense_mask(batch.anchors, batch.keep, S, bs)
+    attn = attention_masks(batch, setup, S)
     autocast = (
         torch.autocast(setup.device.type, dtype=setup.autocast_dtype)
         if setup.autocast_dtype is not None
@@ -158,10 +207,28 @@ def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
     with autocast:
         hidden = model(block_embeds, target_hidden, position_ids, attn)
     lm_head = target.get_output_embeddings().weight
-    ce_sum, correct = decayed_ce(hidden, lm_head, labels, weights, setup.loss_chunk_size, reduction="sum",
-                                 ce=setup.chunk_ce)
+    reweight = _dpace_reweight(weights, bs) if setup.position_weights == "dpace" else None
+    loss_sum, correct, loss_weight = block_loss(hidden, lm_head, labels, weights, setup.loss_chunk_size,
+                                                reduction="sum", ce=setup.chunk_ce, objective=obj,
+                                                teacher_hidden=teacher, reweight=reweight)
+    if selector is not None:
+        previous = batch.input_ids.gather(1, _rows_before_labels(batch.anchors, S, bs))  # position 1: the anchor
+        chosen = labels
+        if teacher is not None:
+            chosen = _teacher_argmax(teacher, lm_head, setup.loss_chunk_size)
+        loss_sum = loss_sum + setup.selector_weight * selector_loss(
+            selector, hidden, lm_head, previous, chosen, weights, obj, setup.loss_chunk_size)
     mark("drafter_forward")
-    return ce_sum, correct, weights.sum()
+    return loss_sum, correct, loss_weight, weights.sum()
+
+
+@torch.no_grad()
+def _teacher_argmax(teacher: torch.Tensor, lm_head: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The target's greedy token after each row, [B, Q], chunked through its LM head."""
+    flat = teacher.reshape(-1, teacher.shape[-1])
+    out = torch.cat([(flat[s : s + chunk].to(lm_head.dtype) @ lm_head.t()).argmax(-1)
+                     for s in range(0, flat.shape[0], chunk)])
+    return out.view(teacher.shape[:-1])
 
 
 def train_step(model, target, opt, batch, lr: float, setup: Setup, mark=_no_mark) -> dict:
@@ -180,12 +247,12 @@ def train_step(model, target, opt, batch, lr: float, setup: Setup, mark=_no_mark
     # zeroed in place, not set to None: after DDP's first step the gradients are views of its
     # all-reduce buckets (gradient_as_bucket_view); fresh gradient tensors would be a second copy
     opt.zero_grad(set_to_none=False)
-    ce_sum, correct, w_sum = forward_loss(model, target, batch, setup, mark)
-    tokens = torch.tensor(float(batch.num_tokens), device=w_sum.device)
-    stats = all_reduce_(torch.stack([ce_sum.detach(), correct, w_sum, tokens]).float())  # global sums
-    w_global = stats[2].clamp(min=1e-6)
+    loss_sum, correct, loss_w, acc_w = forward_loss(model, target, batch, setup, mark)
+    tokens = torch.tensor(float(batch.num_tokens), device=acc_w.device)
+    stats = all_reduce_(torch.stack([loss_sum.detach(), correct, loss_w, acc_w, tokens]).float())  # global sums
+    w_global, acc_global = stats[2].clamp(min=1e-6), stats[3].clamp(min=1e-6)
     world_size = torch.distributed.get_world_size()
-    (ce_sum * world_size / w_global).backward()  # DDP averages over the K ranks
+    (loss_sum * world_size / w_global).backward()  # DDP averages over the K ranks
     mark("backward")
     if setup.grad_clip > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, setup.grad_clip)
@@ -193,8 +260,8 @@ def train_step(model, target, opt, batch, lr: float, setup: Setup, mark=_no_mark
         grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
     opt.step()
     mark("optimizer")
-    loss, acc, gn = (stats[0] / w_global).item(), (stats[1] / w_global).item(), grad_norm.item()
-    return {"loss": loss, "acc": acc, "grad_norm": gn, "weight": stats[2].item(), "tokens": int(stats[3].item())}
+    loss, acc, gn = (stats[0] / w_global).item(), (stats[1] / acc_global).item(), grad_norm.item()
+    return {"loss": loss, "acc": acc, "grad_norm": gn, "weight": stats[3].item(), "tokens": int(stats[4].item())}
 
 
 def prime_buckets(model, target, ds, buckets: np.ndarray, setup: Setup, seed: int, pad_id: int, log=print) -> dict:
@@ -222,8 +289,8 @@ def prime_buckets(model, target, ds, buckets: np.ndarray, setup: Setup, seed: in
         batch = make_batch(ds[idx.tolist()], int(b), seeds, pad_id, setup.num_anchors, setup.block_size, setup.device,
                            pad_rows_to=setup.rank_batch)
         with no_sync():
-            ce_sum, _, w_sum = forward_loss(model, target, batch, setup)
-            (ce_sum / w_sum.clamp(min=1e-6)).backward()
+            loss_sum, _, loss_w, _ = forward_loss(model, target, batch, setup)
+            (loss_sum / loss_w.clamp(min=1e-6)).backward()
         drafter.zero_grad(set_to_none=True)
         with torch.no_grad():
             drafter.eval()
@@ -245,6 +312,9 @@ def compile_signature(setup: Setup, drafter_config: dict, buckets: np.ndarray) -
         "loss_chunk_size": setup.loss_chunk_size,
         "attention": setup.attention,
         "compile": setup.compile,
+        "objective": [setup.objective.loss, setup.objective.tv_weight, setup.objective.multiplier, setup.objective.cap],
+        "position_weights": setup.position_weights,
+        "selector_weight": setup.selector_weight,
         "compiled_flex": setup.attention == "flex" and setup.compile != "none",
         "dtype": "bf16" if setup.autocast_dtype else "fp32",
         "buckets": sorted(int(b) for b in set(buckets.tolist())),

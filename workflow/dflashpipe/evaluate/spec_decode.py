@@ -329,8 +329,7 @@ class DrafterRunner:
         block = torch.cat([last, self.mask], dim=1)  # [1, bs]
         pos = torch.arange(n - 1, n - 1 + self.bs, device=block.device).unsqueeze(0)
         hidden = self.drafter.draft(cache, self.embed(block).to(self.dtype), pos)  # [1, bs, H]
-        logits = self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype))  # [1, bs-1, V]
-        return logits[0].argmax(dim=-1)
+        return self.drafter.propose(hidden[:, 1:], last[:, 0], self.lm_head.weight)[0]  # DFlash 2: the selector
 
 
 class DFlashDecoder:

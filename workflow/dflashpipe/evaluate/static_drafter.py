@@ -69,12 +69,16 @@ class StaticDrafterRunner:
         pos = (self.start + torch.arange(self.bs, device=self.device)).unsqueeze(0)
         cos, sin = self.drafter._rope(pos, h.dtype)
         ctx_visible = (self.ctx_pos < self.valid).view(1, 1, 1, -1).expand(1, 1, self.bs, self.capacity)
-        mask = torch.cat([ctx_visible, self.block_visible], dim=-1)  # [1, 1, bs, capacity + bs]
+        masks = {}
+        for window in {self.drafter.cfg.window_of(i) for i in range(len(self.drafter.layers))}:
+            visible = ctx_visible
+            if window is not None:  # sliding layers: only the last `window` positions before each query
+                visible = visible & ((pos.view(1, 1, -1, 1) - self.ctx_pos.view(1, 1, 1, -1)) < window)
+            masks[window] = torch.cat([visible, self.block_visible], dim=-1)  # [1, 1, bs, capacity + bs]
         for i, layer in enumerate(self.drafter.layers):
-            h = layer(h, self.k[i], self.v[i], cos, sin, mask)
+            h = layer(h, self.k[i], self.v[i], cos, sin, masks[self.drafter.cfg.window_of(i)])
         hidden = self.drafter.norm(h)
-        logits = self.lm_head(hidden[:, 1:].to(self.lm_head.weight.dtype))  # [1, bs-1, V]
-        return logits[0].argmax(dim=-1)
+        return self.drafter.propose(hidden[:, 1:], self.last[:, 0], self.lm_head.weight)[0]  # DFlash 2: the selector
 
     def _run(self, name: str, fn):
         if not self.cuda_graphs:

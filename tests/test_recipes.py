@@ -1,0 +1,300 @@
+"""The recipes beyond the paper's: sliding-window layers, DFlash 2, the KL/TV losses, D-PACE, simulated tau."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflashpipe.drafter.heldout import acceptance_sums
+from dflashpipe.drafter.loss import Objective, block_loss, selector_loss
+from dflashpipe.drafter.masks import block_mask, block_position_ids, build_block_inputs, dense_mask, dpace_weights
+from dflashpipe.drafter.model import DFlashDrafter, _grouped_causal_conv, expected_state_shapes
+from dflashpipe.errors import UserError
+
+from test_drafter_model import H, V, make_batch, tiny_cfg
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+# -- sliding-window layers -------------------------------------------------------------
+
+
+def test_window_mask_hides_old_context_and_flex_agrees():
+    cfg = tiny_cfg()
+    ids, lm, anchors, keep, th = make_batch(cfg)
+    S, bs, W = ids.shape[1], cfg.block_size, 6
+    full, win = dense_mask(anchors, keep, S, bs), dense_mask(anchors, keep, S, bs, window=W)
+    assert (win <= full).all() and (win != full).any()
+    b, n = 0, 2  # query at position a + k sees context j iff j < a and a + k - j < W
+    a = anchors[b, n].item()
+    for k in range(bs):
+        seen = win[b, 0, n * bs + k, :S].nonzero().flatten().tolist()
+        assert seen == [j for j in range(S) if j < a and a + k - j < W]
+    bm = block_mask(anchors, keep, S, bs, window=W, BLOCK_SIZE=16)
+    dense_from_flex = bm.to_dense()  # block-level: every visible element's block must be kept
+    assert dense_from_flex.shape[-1] >= (S + anchors.shape[1] * bs + 15) // 16
+
+
+def test_sliding_layers_match_between_cache_inference_and_training():
+    torch.manual_seed(0)
+    cfg = tiny_cfg(sliding_window=5, layer_types=["sliding_attention", "full_attention"])
+    model = DFlashDrafter(cfg).eval()
+    bs = cfg.block_size
+    ids, lm, anchors, keep, th = make_batch(cfg)
+    S, N = ids.shape[1], anchors.shape[1]
+    emb = torch.randn(ids.shape[0], N * bs, H)
+    masks = {t: dense_mask(anchors, keep, S, bs, window=cfg.sliding_window if t == "sliding_attention" else None)
+             for t in set(cfg.layer_types)}
+    with torch.no_grad():
+        ref = model(emb, th, block_position_ids(anchors, S, bs), masks)
+        plain = model(emb, th, block_position_ids(anchors, S, bs), masks["full_attention"])
+    assert not torch.allclose(ref, plain)  # the window changes the output
+    for b in range(ids.shape[0]):
+        for n in range(N):
+            if not keep[b, n]:
+                continue
+            a = anchors[b, n].item()
+            cache = model.new_cache()
+            model.extend_context(cache, th[b : b + 1, :a], torch.arange(a).view(1, -1))
+            out = model.draft(cache, emb[b : b + 1, n * bs : (n + 1) * bs], (a + torch.arange(bs)).view(1, bs))
+            torch.testing.assert_close(out[0], ref[b, n * bs : (n + 1) * bs], atol=1e-5, rtol=1e-4)
+
+
+def test_bad_layer_types_are_one_line():
+    with pytest.raises(UserError, match="sliding_window"):
+        tiny_cfg(layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(UserError, match="layer_types"):
+        tiny_cfg(layer_types=["full_attention"])
+    with pytest.raises(UserError, match="at least drafter.block_size"):
+        tiny_cfg(sliding_window=2)
+
+
+# -- DFlash 2 ------------------------------------------------------------------------
+
+
+def dflash2_cfg(**kw):
+    return tiny_cfg(arch="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=5,
+                    final_logit_softcapping=20.0, output_multiplier=0.5, **kw)
+
+
+def test_grouped_conv_is_causal_within_each_block_and_identity_at_start():
+    torch.manual_seed(0)
+    B, bs, Hs, G, K = 2, 4, 8, 2, 2
+    x = torch.randn(B, 3 * bs, Hs)
+    dyn = torch.randn(B, 3 * bs, K, G)
+    base = torch.randn(K, Hs)
+    out = _grouped_causal_conv(x, dyn, base, bs)
+    # by hand: out[t] = sum_o (base[o] + dyn[t, o, group]) * x[t - o], within the block
+    grp = torch.arange(Hs) // (Hs // G)
+    for t in range(3 * bs):
+        want = torch.zeros(B, Hs)
+        for o in range(K):
+            if t % bs - o >= 0:
+                want += (base[o] + dyn[:, t, o][:, grp]) * x[:, t - o]
+        torch.testing.assert_close(out[:, t], want)
+    # a fresh DFlash 2 drafter's convolutions are the identity: the same hidden as DFlash with its weights
+    cfg = dflash2_cfg()
+    d2 = DFlashDrafter(cfg).eval()
+    d1 = DFlashDrafter(tiny_cfg()).eval()
+    d1.load_state_dict({k: v for k, v in d2.state_dict().items() if k in d1.state_dict()})
+    ids, lm, anchors, keep, th = make_batch(cfg)
+    S, bs = ids.shape[1], cfg.block_size
+    emb = torch.randn(ids.shape[0], anchors.shape[1] * bs, H)
+    args = (emb, th, block_position_ids(anchors, S, bs), dense_mask(anchors, keep, S, bs))
+    with torch.no_grad():
+        torch.testing.assert_close(d2(*args), d1(*args))
+
+
+def test_dflash2_state_has_the_reference_layout_and_cache_inference_matches_training():
+    torch.manual_seed(0)
+    cfg = dflash2_cfg()
+    model = DFlashDrafter(cfg)
+    with torch.no_grad():  # move away from the identity start so the convolutions matter
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.eval()
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert shapes == expected_state_shapes(cfg)
+    assert shapes["candidate_selector.predecessor_codebook"] == (V, 8)
+    assert shapes["layers.0.attention_conv.kernel_projection.weight"] == (2 * 2 * (H // 16), H)
+    ids, lm, anchors, keep, th = make_batch(cfg)
+    S, N, bs = ids.shape[1], anchors.shape[1], cfg.block_size
+    emb = torch.randn(ids.shape[0], N * bs, H)
+    with torch.no_grad():
+        ref = model(emb, th, block_position_ids(anchors, S, bs), dense_mask(anchors, keep, S, bs))
+    b, n = 0, 1
+    a = anchors[b, n].item()
+    cache = model.new_cache()
+    model.extend_context(cache, th[b : b + 1, :a], torch.arange(a).view(1, -1))
+    out = model.draft(cache, emb[b : b + 1, n * bs : (n + 1) * bs], (a + torch.arange(bs)).view(1, bs))
+    torch.testing.assert_close(out[0], ref[b, n * bs : (n + 1) * bs], atol=1e-5, rtol=1e-4)
+
+
+def test_selector_path_reranks_by_the_previous_token():
+    torch.manual_seed(0)
+    cfg = dflash2_cfg()
+    model = DFlashDrafter(cfg).eval()
+    lm_head = torch.randn(V, H)
+    hidden = torch.randn(3, cfg.block_size - 1, H)
+    anchors = torch.tensor([1, 2, 3])
+    # a fresh selector (zero successor codebook) proposes exactly the argmax
+    assert torch.equal(model.propose(hidden, anchors, lm_head), model.compute_logits(hidden, lm_head).argmax(-1))
+    sel = model.candidate_selector
+    with torch.no_grad():
+        sel.successor_codebook.normal_(0, 3.0)
+        sel.predecessor_codebook.normal_(0, 3.0)
+        sel.hidden_projection.weight.normal_(0, 1.0)
+    path = model.propose(hidden, anchors, lm_head)
+    logits = model.compute_logits(hidden, lm_head)
+    unary, cand = logits.topk(cfg.selector_top_k, dim=-1)
+    prev = anchors
+    for i in range(hidden.shape[1]):  # by hand, position by position
+        best = sel.scores(hidden[:, i], unary[:, i], cand[:, i], prev).argmax(-1)
+        prev = cand[:, i].gather(-1, best[:, None])[:, 0]
+        assert torch.equal(path[:, i], prev)
+    assert not torch.equal(path, logits.argmax(-1))  # the selector re-ranked some positions
+
+
+def test_selector_loss_trains_selector_and_drafter_and_forces_the_target_in():
+    torch.manual_seed(0)
+    cfg = dflash2_cfg()
+    model = DFlashDrafter(cfg)
+    with torch.no_grad():
+        model.candidate_selector.successor_codebook.normal_(0, 0.1)
+    lm_head = torch.randn(V, H)
+    hidden = torch.randn(2, 8, H, requires_grad=True)
+    prev = torch.randint(0, V, (2, 8))
+    target = torch.randint(0, V, (2, 8))
+    w = torch.rand(2, 8)
+    w[0, 0] = 0
+    obj = Objective(multiplier=cfg.output_multiplier, cap=cfg.final_logit_softcapping)
+    loss = selector_loss(model.candidate_selector, hidden, lm_head, prev, target, w, obj, chunk_size=5)
+    loss.backward()
+    assert hidden.grad.abs().sum() > 0 and (hidden.grad[0, 0] == 0).all()
+    sel = model.candidate_selector
+    for p in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+    # by hand for one row: CE over the top-k (+ the target if missing) of the transformed logits
+    r = (1, 3)
+    z = torch.tanh(hidden[r].detach() @ lm_head.t() * 0.5 / 20.0) * 20.0
+    cand = z.topk(cfg.selector_top_k).indices
+    if target[r] not in cand:
+        cand[-1] = target[r]
+    scores = sel.scores(hidden[r].detach(), z[cand], cand, prev[r])
+    ce = F.cross_entropy(scores[None], (cand == target[r]).nonzero()[0])
+    one = torch.zeros_like(w)
+    one[r] = w[r]
+    got = selector_loss(sel, hidden.detach(), lm_head, prev, target, one, obj)
+    torch.testing.assert_close(got, ce * w[r], rtol=1e-5, atol=1e-6)
+
+
+# -- losses -----------------------------------------------------------------------------
+
+
+def _reference(hidden, W, labels, weights, teacher, obj):
+    z = hidden.reshape(-1, hidden.shape[-1]) @ W.t() * obj.multiplier
+    if obj.cap:
+        z = torch.tanh(z / obj.cap) * obj.cap
+    logq = F.log_softmax(z.double(), -1)
+    if teacher is None:
+        p = F.one_hot(labels.reshape(-1), W.shape[0]).double()
+        per = -(p * logq).sum(-1)
+    else:
+        p = F.softmax((teacher.reshape(-1, teacher.shape[-1]) @ W.t()).double(), -1)
+        per = (p * (p.log() - logq)).sum(-1)
+    per = per + obj.tv_weight * 0.5 * (logq.exp() - p).abs().sum(-1)
+    w = weights.reshape(-1).double()
+    return (per * w).sum() / w.sum()
+
+
+@pytest.mark.parametrize("obj", [Objective("kl"), Objective("ce", tv_weight=0.5),
+                                 Objective("kl", tv_weight=1.0, multiplier=0.7, cap=3.0)],
+                         ids=["kl", "ce+tv", "kl+tv+capped"])
+def test_chunked_losses_match_autograd(obj):
+    torch.manual_seed(0)
+    B, Q = 2, 9
+    hidden = torch.randn(B, Q, H, dtype=torch.float64)
+    teacher = torch.randn(B, Q, H, dtype=torch.float64) if obj.needs_teacher else None
+    W = torch.randn(V, H, dtype=torch.float64) * 0.3
+    labels = torch.randint(0, V, (B, Q))
+    weights = torch.rand(B, Q, dtype=torch.float64)
+    weights[0, :2] = 0
+    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    ref = _reference(h1, W, labels, weights, teacher, obj)
+    ref.backward()
+    loss, _ = block_loss(h2, W, labels, weights, chunk_size=4, objective=obj, teacher_hidden=teacher)
+    loss.backward()
+    torch.testing.assert_close(loss.double(), ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(h2.grad, h1.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_kl_to_its_own_distribution_is_zero_and_needs_the_teacher():
+    hidden = torch.randn(1, 5, H, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(V, H, dtype=torch.float64)
+    loss, _ = block_loss(hidden, W, torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 5), objective=Objective("kl"),
+                         teacher_hidden=hidden.detach())
+    assert abs(loss.item()) < 1e-6  # the chunk math runs in fp32
+    with pytest.raises(ValueError, match="teacher"):
+        block_loss(hidden, W, torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 5), objective=Objective("kl"))
+
+
+def test_dpace_weights_by_hand_and_in_the_loss():
+    loss = torch.tensor([[0.0, 0.5, 1.0, 2.0]])
+    valid = torch.tensor([[False, True, True, True]])
+    w = dpace_weights(loss, valid)
+    s = [1.0] + [0.5 * torch.exp(-loss[0, k]).item() + 0.5 for k in (1, 2, 3)]
+    P = [s[0], s[0] * s[1], s[0] * s[1] * s[2], s[0] * s[1] * s[2] * s[3]]
+    want = [0.0, P[1] + P[2] + P[3], P[2] + P[3], P[3]]
+    torch.testing.assert_close(w[0], torch.tensor(want))
+    # through block_loss: the loss uses the D-PACE weights, accuracy keeps the given ones
+    torch.manual_seed(0)
+    hidden, Wm = torch.randn(1, 4, H, requires_grad=True), torch.randn(V, H) * 0.2
+    labels, base = torch.randint(0, V, (1, 4)), torch.tensor([[0.0, 1.0, 0.8, 0.6]])
+
+    def reweight(row_loss, idx):
+        grid = torch.zeros(4)
+        grid[idx] = row_loss
+        return dpace_weights(grid.view(1, 4), base > 0).reshape(-1)[idx]
+
+    s_loss, s_correct, s_w = block_loss(hidden, Wm, labels, base, reduction="sum", reweight=reweight)
+    rows = F.cross_entropy(hidden[0] @ Wm.t(), labels[0], reduction="none")
+    dw = dpace_weights(rows.detach().view(1, 4), base > 0)[0]
+    torch.testing.assert_close(s_loss, (rows * dw).sum())
+    torch.testing.assert_close(s_w, dw.sum())
+    s_loss.backward()
+    ref = hidden.detach().clone().requires_grad_()
+    (F.cross_entropy(ref[0] @ Wm.t(), labels[0], reduction="none") * dw).sum().backward()
+    torch.testing.assert_close(hidden.grad, ref.grad)
+
+
+# -- simulated acceptance -------------------------------------------------------------
+
+
+def test_simulated_tau_counts_each_blocks_leading_run():
+    from types import SimpleNamespace
+
+    bs = 4
+    cfg = tiny_cfg(block_size=bs)
+    # hand-made: W = identity-like so the proposal at a row is the hot index of its hidden
+    Vs = V
+    lm = torch.zeros(Vs, H)
+    lm[:H] = torch.eye(H)
+    S = 12
+    ids = torch.arange(10, 10 + S).view(1, S)
+    loss_mask = torch.ones(1, S, dtype=torch.bool)
+    anchors = torch.tensor([[2, 9]])  # block 2 runs past the end: positions 10, 11 valid, 12 not
+    keep = torch.tensor([[True, True]])
+    _, labels, weights = build_block_inputs(ids, loss_mask, anchors, keep, bs, cfg.mask_token_id)
+    want = labels.clone()
+    want[0, 2] = 0  # block 1: position 1 right, 2 wrong, 3 right -> accepted 1
+    hidden = F.one_hot(want, H).float() * 10
+    target = SimpleNamespace(get_output_embeddings=lambda: SimpleNamespace(weight=lm))
+    batch = SimpleNamespace(input_ids=ids, loss_mask=loss_mask, anchors=anchors, keep=keep)
+    setup = SimpleNamespace(block_size=bs, mask_token_id=cfg.mask_token_id, gamma=2.0, loss_chunk_size=3)
+    drafter = DFlashDrafter(cfg)
+    sums = acceptance_sums(drafter, hidden, target, batch, setup)
+    correct, valid, accepted, reached = sums[: 4 * (bs - 1)].view(4, bs - 1)
+    # block 2: positions 1, 2 right (labels 10, 11 inside), 3 past the end passes through
+    assert (sums[-2] / sums[-1]).item() == pytest.approx(((1 + 1) + (1 + 2)) / 2)
+    assert valid.tolist() == [2, 2, 1] and correct.tolist() == [2, 1, 1]
+    assert reached.tolist() == [2, 2, 0] and accepted.tolist() == [2, 1, 0]
