@@ -4,7 +4,7 @@
 #   prompts -> expand (the target regenerates replies) -> tokenize
 #   target (a real checkpoint, or the tiny default trained here)
 #   warm_slot0 -> warm_slot1 -> ... (serial compile-warm, one per GPU slot; cache stamps)
-#     -> train_shard{0..K-1} (data-parallel ranks of one drafter run; need ALL stamps)
+#     -> train (K data-parallel ranks of one drafter run; needs ALL stamps) -> export
 #       -> evaluate (per held-out dataset) -> tables -> plots (+ snakemake --report)
 #
 # Run: snakemake --cores 2            (CPU, embedded default)

@@ -218,3 +218,328 @@ def test_load_errors_are_one_line_user_errors(tmp_path, saved):
     with pytest.raises(UserError, match=r"config\.json: file not found") as info:
         load_drafter(out)
     assert "\n" not in str(info.value)
+
+
+# -- DFlash 2 and sliding windows -------------------------------------------------------------------
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DFLASH2_CONFIG = json.loads((FIXTURES / "dflash2_reference_config.json").read_text())
+DFLASH2_LAYOUT = json.loads((FIXTURES / "dflash2_reference_layout.json").read_text())["safetensors"]
+
+
+def dflash2_reference_drafter_config():
+    """The target and drafter settings of z-lab's DFlash 2 fixture (a 52-layer, hidden 6656 target)."""
+    from transformers import Qwen3Config
+
+    z, dz = DFLASH2_CONFIG, DFLASH2_CONFIG["dflash_config"]
+    tc = Qwen3Config(vocab_size=202048, hidden_size=6656, intermediate_size=19968, num_hidden_layers=52,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                     max_position_embeddings=131072, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                     bos_token_id=200000, eos_token_id=200001, pad_token_id=200018)
+    cfg = DrafterConfig.from_target_config(
+        tc, 5, 16, 201818, arch="dflash2", sliding_window=2048, conv_kernel_size=2, conv_group_size=16,
+        selector_rank=256, selector_top_k=16, final_logit_softcapping=20.0, output_multiplier=z["dflash_config"]["output_multiplier"])
+    assert cfg.target_layer_ids == dz["target_layer_ids"]  # the default taps are z-lab's
+    return tc, cfg
+
+
+def test_dflash2_layout_and_config_equal_the_reference():
+    """A DFlash 2 drafter of the fixture's shapes has exactly z-lab's keys and shapes, and its config.json
+    equals z-lab's key by key (the only additions: auto_map, top-level block_size and rope_theta)."""
+    from dflashpipe.drafter.export import _cfg_from_json, drafter_config_json
+
+    tc, cfg = dflash2_reference_drafter_config()
+    with torch.device("meta"):  # 1.6 B parameters: shapes only
+        model = DFlashDrafter(cfg)
+    assert {k: list(v.shape) for k, v in model.state_dict().items()} == DFLASH2_LAYOUT
+    assert {k: list(v) for k, v in expected_state_shapes(cfg).items()} == DFLASH2_LAYOUT
+
+    ours = drafter_config_json(cfg, tc, torch.bfloat16)
+    for key, want in DFLASH2_CONFIG.items():
+        if key != "transformers_version":
+            assert ours[key] == want, key
+    assert set(ours) - set(DFLASH2_CONFIG) == {"auto_map", "block_size", "rope_theta"}
+    assert ours["auto_map"] == {"AutoModel": "dflash.DFlash2DraftModel"}
+    assert ours["block_size"] == 16 and ours["rope_theta"] == 500000.0
+    # and z-lab's config.json reads back as this drafter
+    assert _cfg_from_json(DFLASH2_CONFIG, Path("config.json")) == cfg
+
+
+def small_target_config(layers: int = 6):
+    cfg = tiny_target_config()
+    cfg.num_hidden_layers = layers
+    return cfg
+
+
+ARCH_CASES = {
+    "dflash2": dict(arch="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=5,
+                    final_logit_softcapping=15.0, output_multiplier=0.5),
+    "sliding": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
+    "dflash2_sliding": dict(arch="dflash2", conv_group_size=8, selector_rank=4, selector_top_k=3,
+                            layer_types=["full_attention", "sliding_attention"], sliding_window=4),
+}
+
+
+def random_drafter(cfg, seed=0):
+    """A drafter with every parameter random (the convolutions and selector too, not their identity init)."""
+    torch.manual_seed(seed)
+    model = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "base_kernel" in name or "codebook" in name or "kernel_projection" in name:
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("case", sorted(ARCH_CASES))
+def test_roundtrip_of_dflash2_and_sliding_windows(tmp_path, case):
+    tc = tiny_target_config()
+    cfg = DrafterConfig.from_target_config(tc, 2, 4, V - 1, **ARCH_CASES[case])
+    model = random_drafter(cfg)
+    out = save_drafter(model, cfg, tmp_path / "d", tc)
+    loaded, cfg2 = load_drafter(out)
+    assert cfg2 == cfg
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "dflash.py", "model.safetensors"]
+    d = json.loads((out / "config.json").read_text())
+    arch = "DFlash2DraftModel" if cfg.arch == "dflash2" else "DFlashDraftModel"
+    assert d["architectures"] == [arch] and d["auto_map"] == {"AutoModel": f"dflash.{arch}"}
+    assert d["layer_types"] == cfg.layer_types
+    if cfg.sliding_window:
+        assert (d["sliding_window"], d["use_sliding_window"], d["is_causal"]) == (cfg.sliding_window, True, False)
+    if cfg.arch == "dflash2":
+        assert d["dflash_config"]["selector_top_k"] == cfg.selector_top_k and d["use_cache"] is False
+    # the same drafts, step by step, from the loaded drafter (windows and selector included)
+    g = torch.Generator().manual_seed(5)
+    S = 14
+    feats = torch.randn(1, S, len(cfg.target_layer_ids) * H, generator=g)
+    block = torch.randn(1, 4, H, generator=g)
+    head = torch.randn(V, H, generator=g)
+    drafts = []
+    for m in (model, loaded):
+        cache = m.new_cache()
+        m.extend_context(cache, feats, torch.arange(S).view(1, -1))
+        hidden = m.draft(cache, block, torch.arange(S, S + 4).view(1, -1))
+        drafts.append((hidden, m.propose(hidden[:, 1:], torch.tensor([7]), head)))
+    assert torch.equal(drafts[0][0], drafts[1][0]) and torch.equal(drafts[0][1], drafts[1][1])
+
+
+def test_a_sliding_layer_without_is_causal_false_is_refused(tmp_path):
+    tc = tiny_target_config()
+    cfg = DrafterConfig.from_target_config(tc, 2, 4, V - 1, **ARCH_CASES["sliding"])
+    out = save_drafter(random_drafter(cfg), cfg, tmp_path / "d", tc)
+    d = json.loads((out / "config.json").read_text())
+    del d["is_causal"]  # z-lab's reference would then make the sliding layers causal inside the block
+    (out / "config.json").write_text(json.dumps(d))
+    with pytest.raises(UserError, match="sliding_attention layers need 'is_causal': false") as info:
+        load_drafter(out)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("case", ["dflash2", "sliding"])
+def test_transformers_assistant_refuses_what_it_cannot_run(tmp_path, case):
+    from dflashpipe.drafter.hf_assistant import export_hf_assistant
+
+    tc = tiny_target_config()
+    cfg = DrafterConfig.from_target_config(tc, 2, 4, V - 1, **ARCH_CASES[case])
+    out = save_drafter(random_drafter(cfg), cfg, tmp_path / "d", tc)
+    with pytest.raises(UserError, match="MuseGlimmerAssistantModel") as info:
+        export_hf_assistant(out, tmp_path / "hf")
+    assert "\n" not in str(info.value) and not (tmp_path / "hf").exists()
+
+
+# -- the export is self-contained: AutoModel with trust_remote_code, our own modeling file ----------
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+SV, SBS, SMASK, SEOS = 101, 4, 100, 3
+SPEC_PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14], [20, 21, 22, 23, 24, 25, 26]]
+
+#: run in a fresh process: the export loaded through AutoModel (its dflash.py), the pipeline NOT importable
+REMOTE_SCRIPT = r"""
+import json, sys
+sys.modules["dflashpipe"] = None  # the export must not need the pipeline
+import torch
+from transformers import AutoModel, AutoModelForCausalLM
+args = json.loads(sys.argv[1])
+torch.set_num_threads(1)
+target = AutoModelForCausalLM.from_pretrained(args["target"], dtype=torch.float64).eval()
+drafter = AutoModel.from_pretrained(args["drafter"], trust_remote_code=True, dtype=torch.float64).eval()
+out = {"class": type(drafter).__name__, "module": type(drafter).__module__, "runs": []}
+for prompt in args["prompts"]:
+    ids, stats = drafter.spec_generate(target, torch.tensor([prompt]), args["max_new"], args["stop"], return_stats=True)
+    out["runs"].append({"tokens": ids[0, len(prompt):].tolist(), **stats})
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run_script(script: str, args: dict, extra_env: dict | None = None) -> dict:
+    import os
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1",
+               HF_MODULES_CACHE=str(Path(args["cwd"]) / "hf_modules"), **(extra_env or {}))
+    env.pop("PYTHONPATH", None)
+    res = subprocess.run([sys.executable, "-c", script, json.dumps(args)], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=args["cwd"])
+    assert res.returncode == 0, res.stderr[-4000:]
+    (line,) = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def spec_target(tmp_path_factory):
+    """A random float64 Qwen3 (weights scaled up: a varied greedy output), saved as a checkpoint directory."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    tc = Qwen3Config(vocab_size=SV, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=16, max_position_embeddings=256, eos_token_id=SEOS)
+    model = Qwen3ForCausalLM(tc).eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(10.0)
+    model = model.to(torch.float64)
+    out = tmp_path_factory.mktemp("spec_target") / "model"
+    model.save_pretrained(out)
+    return model, out
+
+
+def fit_drafter(target, cfg, steps: int = 60) -> DFlashDrafter:
+    """Fit a drafter (float64) to the target's greedy continuations of the first two prompts, so that some
+    drafts are accepted and some are not."""
+    from dflashpipe.drafter.masks import build_block_inputs
+    from dflashpipe.evaluate.spec_decode import ARDecoder
+
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(cfg).to(torch.float64)
+    emb, head = target.get_input_embeddings(), target.get_output_embeddings().weight
+    batches = []
+    for p in SPEC_PROMPTS[:2]:
+        ids = torch.tensor([p + ARDecoder(target, []).generate(p, 20 + SBS).tokens])
+        S = ids.shape[1]
+        with torch.no_grad():
+            hs = target(ids, output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[i + 1] for i in cfg.target_layer_ids], dim=-1)
+        loss_mask = torch.zeros(1, S, dtype=torch.bool)
+        loss_mask[0, len(p) - 1:] = True
+        anchors = torch.arange(len(p) - 1, S - 1).view(1, -1)
+        keep = torch.ones_like(anchors, dtype=torch.bool)
+        block_ids, labels, w = build_block_inputs(ids, loss_mask, anchors, keep, SBS, SMASK)
+        with torch.no_grad():
+            block_embeds = emb(block_ids)
+        batches.append((feats, block_embeds, block_position_ids(anchors, S, SBS), dense_mask(anchors, keep, S, SBS), labels, w))
+    opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
+    for _ in range(steps):
+        opt.zero_grad()
+        for feats, block_embeds, pos, mask, labels, w in batches:
+            logits = drafter.compute_logits(drafter(block_embeds, feats, pos, mask), head)
+            ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten().clamp(min=0), reduction="none")
+            ((ce * w.flatten()).sum() / w.sum()).backward()
+        opt.step()
+    return drafter.eval()
+
+
+REMOTE_CASES = {
+    "dflash": dict(),
+    "dflash2": dict(arch="dflash2", conv_group_size=8, selector_rank=8, selector_top_k=4,
+                    final_logit_softcapping=30.0, output_multiplier=0.5),
+    "sliding": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REMOTE_CASES))
+def test_export_loads_with_automodel_trust_remote_code_and_decodes_as_the_pipeline(spec_target, tmp_path, case):
+    """The export alone (config.json, model.safetensors, dflash.py) loads through AutoModel with remote code, in a
+    process that cannot import the pipeline, and its spec_generate gives, step for step, what the pipeline's loop
+    gives (the same tokens as plain greedy decoding, the same drafts accepted per verify step)."""
+    from dflashpipe.evaluate.spec_decode import ARDecoder, DFlashDecoder
+
+    target, target_dir = spec_target
+    cfg = DrafterConfig.from_target_config(target.config, 2, SBS, SMASK, **REMOTE_CASES[case])
+    drafter = fit_drafter(target, cfg)
+    if cfg.arch == "dflash2":  # a live selector: random codebooks (it then overrules the argmax sometimes)
+        with torch.no_grad():
+            sel = drafter.candidate_selector
+            for p in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight):
+                p.normal_(0.0, 1.0)
+    out = save_drafter(drafter, cfg, tmp_path / "drafter", target.config)
+    got = run_script(REMOTE_SCRIPT, {"target": str(target_dir), "drafter": str(out), "prompts": SPEC_PROMPTS,
+                                     "max_new": 20, "stop": [SEOS], "cwd": str(tmp_path)})
+    want_class = "DFlash2DraftModel" if cfg.arch == "dflash2" else "DFlashDraftModel"
+    assert got["class"] == want_class and "dflashpipe" not in got["module"]
+
+    ours, cfg2 = load_drafter(out, dtype=torch.float64)
+    accepted = []
+    for prompt, run in zip(SPEC_PROMPTS, got["runs"]):
+        pipe = DFlashDecoder(target, ours, cfg2, [SEOS]).generate(prompt, 20)
+        plain = ARDecoder(target, [SEOS]).generate(prompt, 20)
+        assert run["tokens"] == pipe.tokens == plain.tokens, prompt
+        assert run["accepted"] == pipe.accepted and run["committed"] == pipe.committed, prompt
+        accepted += run["accepted"]
+    assert max(accepted) >= 1, accepted  # drafts were accepted: the comparison is not of empty steps
+    if cfg.arch == "dflash2":  # the selector is live: it proposes other tokens than the argmax somewhere
+        g = torch.Generator().manual_seed(0)
+        hidden = torch.randn(8, SBS - 1, cfg.hidden_size, generator=g, dtype=torch.float64)
+        head = target.get_output_embeddings().weight
+        anchors = torch.arange(8) + 5
+        assert not torch.equal(ours.propose(hidden, anchors, head), ours.compute_logits(hidden, head).argmax(-1))
+
+
+#: z-lab's own classes and loop (github.com/z-lab/dflash, dflash/model.py) on our exports, in a fresh process
+REFERENCE_SCRIPT = r"""
+import json, sys, time
+args = json.loads(sys.argv[1])
+sys.path.insert(0, args["reference"])
+import torch
+from transformers import AutoModelForCausalLM
+import dflash.model as ref
+ref._cuda_time = time.perf_counter  # its stats timer synchronizes CUDA; this runs on the CPU
+torch.set_num_threads(1)
+target = AutoModelForCausalLM.from_pretrained(args["target"], dtype=torch.float64).eval()
+out = {}
+for name, (path, arch) in args["drafters"].items():
+    cls = ref.DFlash2DraftModel if arch == "dflash2" else ref.DFlashDraftModel
+    model = cls.from_pretrained(path, dtype=torch.float64).eval()
+    runs = []
+    for prompt in args["prompts"]:
+        res = ref.dflash_generate(model, target, torch.tensor([prompt]), args["max_new"], args["stop"], return_stats=True)
+        runs.append({"tokens": res.output_ids[0, len(prompt):].tolist(), "committed": res.acceptance_lengths})
+    out[name] = runs
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_loads_into_zlab_reference(spec_target, tmp_path):
+    """Our DFlash, DFlash 2 and sliding-window exports load into z-lab's reference classes
+    (``DFlashDraftModel`` / ``DFlash2DraftModel.from_pretrained``) and its greedy ``dflash_generate`` gives the
+    tokens of our loop, committing as many per verify step (the reference shortens the last block to the
+    length budget, so the last step may differ). Set DFLASH_REFERENCE_DIR to a checkout of z-lab/dflash."""
+    import os
+
+    from dflashpipe.evaluate.spec_decode import DFlashDecoder
+
+    reference = os.environ.get("DFLASH_REFERENCE_DIR")
+    if not reference:
+        pytest.skip("DFLASH_REFERENCE_DIR is not set (a checkout of github.com/z-lab/dflash)")
+    target, target_dir = spec_target
+    drafters, ours = {}, {}
+    for case in sorted(REMOTE_CASES):
+        cfg = DrafterConfig.from_target_config(target.config, 2, SBS, SMASK, **REMOTE_CASES[case])
+        drafter = fit_drafter(target, cfg)
+        if cfg.arch == "dflash2":
+            with torch.no_grad():
+                sel = drafter.candidate_selector
+                for p in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight):
+                    p.normal_(0.0, 1.0)
+        out = save_drafter(drafter, cfg, tmp_path / case, target.config)
+        drafters[case] = (str(out), cfg.arch)
+        ours[case] = load_drafter(out, dtype=torch.float64)
+    got = run_script(REFERENCE_SCRIPT, {"reference": reference, "target": str(target_dir), "drafters": drafters,
+                                        "prompts": SPEC_PROMPTS, "max_new": 20, "stop": [SEOS], "cwd": str(tmp_path)})
+    for case, runs in got.items():
+        drafter, cfg = ours[case]
+        for prompt, run in zip(SPEC_PROMPTS, runs):
+            pipe = DFlashDecoder(target, drafter, cfg, [SEOS]).generate(prompt, 20)
+            assert run["tokens"] == pipe.tokens, (case, prompt)
+            assert run["committed"][:-1] == pipe.committed[:-1], (case, prompt, run["committed"], pipe.committed)

@@ -140,21 +140,23 @@ def test_sigkill_of_the_whole_run_then_the_plain_rerun_resumes_with_every_step(m
 def test_a_killed_rank_and_a_failed_export_recover_on_a_plain_rerun(mini_run, mini_copy):
     ref, _ = mini_run
     work, cfg = mini_copy
-    drafter = "results/drafter"
+    # the run's final weights and the drafter made from them (a failed run leaves the previous drafter
+    # in place, consistent with its final weights, so the drafter alone would be up to date)
+    drafter = ("results/train/final.safetensors", "results/drafter")
 
-    res = run(work, cfg, drafter, forcerun="train", env=faults({"at": "train.step", "step": 3, "rank": 1, "do": "kill"}))
+    res = run(work, cfg, *drafter, forcerun="train", env=faults({"at": "train.step", "step": 3, "rank": 1, "do": "kill"}))
     assert res.returncode != 0
     (line,) = {ln.split("  [")[0] for ln in error_lines(res.stderr)}
     assert "train rank 1 of 2 failed (exit code -9), the other ranks were stopped" in line
-    assert not (work / "results/train/summary.json").exists() and not (work / "results/drafter").exists()
-    run_ok(work, cfg, drafter)
+    assert not (work / "results/train/summary.json").exists() and not (work / "results/train/final.safetensors").exists()
+    run_ok(work, cfg, *drafter)
     assert "resumed from step 2" in rank_log(work)
     assert max_diff(weights(work), weights(ref)) <= 1e-6
 
-    res = run(work, cfg, drafter, forcerun="train", env=faults({"at": "train.export", "rank": 0, "do": "raise"}))
+    res = run(work, cfg, *drafter, forcerun="train", env=faults({"at": "train.export", "rank": 0, "do": "raise"}))
     assert res.returncode != 0
     assert any("cannot write the run's outputs ([Errno 28] No space left on device" in ln for ln in error_lines(res.stderr))
-    run_ok(work, cfg, drafter)
+    run_ok(work, cfg, *drafter)
     assert "resumed from step 6" in rank_log(work)  # nothing retrained: only the outputs were written
     assert list(metrics(work)["step"]) == [1, 2, 3, 4, 5, 6]
     assert max_diff(weights(work), weights(ref)) <= 1e-6
@@ -175,8 +177,8 @@ def test_any_number_of_shards_trains_the_same_drafter(mini_run, mini_copy, shard
     c["train"]["shards"] = shards
     c["gpu"]["slots"] = max(2, shards)
     cfg = write_config(work / f"k{shards}.yaml", c)
-    assert planned_rules(work, "results/drafter", "--configfile", str(cfg)) == {"warm_slot": 2, "train": 1} | (
-        {"warm_slot": 4, "train": 1} if shards == 4 else {})
+    assert planned_rules(work, "results/drafter", "--configfile", str(cfg)) == {"warm_slot": 2, "train": 1, "export": 1} | (
+        {"warm_slot": 4} if shards == 4 else {})
     run_ok(work, cfg, "results/drafter", cores=cores)
     s, r = summary(work), summary(ref)
     assert (s["world_size"], s["rank_batch"], s["resumed_from_step"]) == (shards, 4 // shards, None)

@@ -61,7 +61,7 @@ def rank_args(tmp: Path, cfg: TrainConfig, tokenized, target, rank: int, world_s
         device="cpu",
         metrics_csv=str(run_dir / "metrics.csv"),
         summary_json=str(run_dir / "summary.json"),
-        export_dir=str(run_dir / "drafter") if rank == 0 else None,
+        final_state=str(run_dir / "final.safetensors") if rank == 0 else None,
     )
 
 
@@ -95,7 +95,7 @@ def losses(path) -> dict[int, float]:
 
 
 def weights(run: Path) -> dict:
-    return load_file(run / "drafter" / "model.safetensors")
+    return load_file(run / "final.safetensors")
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -132,7 +132,10 @@ def test_two_ranks_train_the_same_drafter_as_one(micro_target, micro_tokenized, 
     from transformers import AutoConfig
 
     torch.manual_seed(BASE["seed"])
-    dcfg = DrafterConfig.from_target_config(AutoConfig.from_pretrained(micro_target), 1, 4, 3)
+    from dflashpipe.drafter.model import ARCH_KEYS
+
+    dcfg = DrafterConfig.from_target_config(AutoConfig.from_pretrained(micro_target), 1, 4, 3,
+                                            **{k: getattr(cfg, k) for k in ARCH_KEYS})
     assert max_diff(one, DFlashDrafter(dcfg).state_dict()) > 1e-3
 
     # Global loss: the run logs the same numbers at K=1 and K=2 (weighted over the whole batch).
@@ -311,7 +314,7 @@ def test_loss_decreases(micro_target, micro_tokenized, tmp_path):
     assert [r["step"] for r in rows if r["heldout_loss"]] == ["10", "20"]
     assert s["ranks"][0]["first_step_seconds"] > 0 and s["tokens_per_s"] > 0 and s["resumed_from_step"] is None
     assert set(rows[0]) >= {"step", "epoch", "loss", "acc", "lr", "grad_norm", "tokens_per_s", "step_seconds", "peak_mem_mb"}
-    from dflashpipe.drafter.export import load_drafter
+    from dflashpipe.drafter.export import export_final, load_drafter
 
-    model, dcfg = load_drafter(a["export_dir"])
+    model, dcfg = load_drafter(export_final(a["final_state"], micro_target, tmp_path / "drafter", log=quiet))
     assert dcfg.block_size == 4 and dcfg.num_hidden_layers == 1 and dcfg.mask_token_id == 3

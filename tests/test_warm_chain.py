@@ -140,7 +140,7 @@ def _change_result_keys(section: dict, values: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("section, dependent", [
-    ("train", {"train", "evaluate", "tables", "plots"}),
+    ("train", {"train", "export", "evaluate", "tables", "plots"}),
     ("evaluate", {"evaluate", "tables", "plots"}),
 ])
 def test_result_settings_rerun_exactly_the_dependent_jobs(mini_run, section, dependent):

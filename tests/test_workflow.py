@@ -46,7 +46,7 @@ def test_code_edit_reruns_exactly_its_stages(mini_run, tmp_path):
         return planned_after_edit(work, cfg, module)
 
     # what follows training (its output changes) and what follows tokenize (the AR draft peer)
-    training = {"warm_slot", "train", "evaluate", "tables", "plots", "all"}
+    training = {"warm_slot", "train", "export", "evaluate", "tables", "plots", "all"}
     data = {"tokenize", "ar_draft"} | training
     assert planned("hotstart.py") == training
     assert planned("drafter/loss.py") == training

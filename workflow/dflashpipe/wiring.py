@@ -58,6 +58,8 @@ class Paths:
         # the training run: one job writes them all, for any number of shards
         self.train_summary = f"{r}/train/summary.json"
         self.train_metrics = f"{r}/train/metrics.csv"
+        # the run's final weights (the train job's), and the export made from them (the export job's)
+        self.train_final = f"{r}/train/final.safetensors"
         self.drafter = f"{r}/drafter"
         # the assisted-generation peer's draft model
         self.ar_draft = f"{r}/ar_draft"
@@ -247,7 +249,7 @@ class Pipeline:
             out.append(p.target_metrics)
         out += [p.tokenized, p.tokenized_stats]
         out += self.all_stamps()
-        out += [p.train_summary, p.train_metrics, p.drafter]
+        out += [p.train_summary, p.train_metrics, p.train_final, p.drafter]
         out += self.eval_summaries()
         out += [p.plot("tau")]
         return out

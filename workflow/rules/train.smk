@@ -8,7 +8,7 @@ rule train:
     output:
         summary=paths.train_summary,
         metrics=paths.train_metrics,
-        drafter=directory(paths.drafter),
+        final=paths.train_final,
     log:
         main=paths.log("train", "train"),
         ranks=pipeline.train_rank_logs(),
@@ -29,3 +29,22 @@ rule train:
         run_dir=pipeline.run_dir,
     script:
         "../scripts/train.py"
+
+
+rule export:
+    """The drafter export from the run's final weights: an export-code edit reruns this, never training."""
+    input:
+        final=paths.train_final,
+        target=pipeline.target_dir(),
+        code=pipeline.lib_code("export.py"),
+    output:
+        drafter=directory(paths.drafter),
+    log:
+        paths.log("export", "export"),
+    benchmark:
+        paths.benchmark("export")
+    conda:
+        "../../envs/torch.yaml"
+    threads: 1
+    script:
+        "../scripts/export.py"

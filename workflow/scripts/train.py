@@ -20,6 +20,6 @@ with job(snakemake.log.main, threads=snakemake.threads, name=f"train ({shards} r
         rank_logs=list(snakemake.log.ranks),
         metrics_csv=snakemake.output.metrics,
         summary_json=snakemake.output.summary,
-        export_dir=snakemake.output.drafter,
+        final_state=snakemake.output.final,  # the final weights; the export rule writes the drafter from them
         log=log,
     )

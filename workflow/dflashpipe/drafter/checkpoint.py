@@ -125,6 +125,19 @@ def save_checkpoint(ckpt_dir: Path, step: int, model_state: dict, optimizer_stat
     return path
 
 
+def save_final_state(path, drafter, drafter_config, step: int, export_dtype) -> None:
+    """The run's final weights for the export rule: the drafter's state dict (safetensors, atomic) with
+    metadata ``drafter_config`` (JSON of :class:`~dflashpipe.drafter.model.DrafterConfig`), ``step``
+    and ``export_dtype`` (the training autocast dtype the export casts to; empty: as stored)."""
+    from safetensors.torch import save_file
+
+    meta = {"drafter_config": json.dumps(drafter_config.to_dict()), "step": str(step),
+            "export_dtype": str(export_dtype or "").removeprefix("torch.")}
+    state = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
+    with atomic_path(path) as tmp:
+        save_file(state, str(tmp), metadata=meta)
+
+
 def load_checkpoint(ckpt_dir: Path, identity: dict, log=print, step: int | None = None) -> dict | None:
     """The newest checkpoint that loads and belongs to this run; None if there is none.
 

@@ -3,16 +3,23 @@
 Directory:
 
 * ``config.json``: a Qwen3 config (``model_type: qwen3``,
-  ``architectures: ["DFlashDraftModel"]``, the ``auto_map`` z-lab's published
-  drafters carry (``AutoModel: dflash.DFlashDraftModel``; that remote-code file is
-  not shipped, so only engines that pick the class by ``architectures`` use it),
-  shapes, ``num_hidden_layers`` = drafter layers, ``layer_types`` all
-  ``full_attention``, ``max_window_layers`` = drafter layers) plus top-level
+  ``architectures: ["DFlashDraftModel"]`` or, for DFlash 2, ``["DFlash2DraftModel"]``,
+  the ``auto_map`` z-lab's published drafters carry (``AutoModel: dflash.<class>``),
+  shapes, ``num_hidden_layers`` = drafter layers, ``layer_types`` (all
+  ``full_attention`` unless the drafter has sliding-window layers: then also
+  ``sliding_window``, ``use_sliding_window: true`` and ``is_causal: false``, the
+  block staying bidirectional), ``max_window_layers`` = drafter layers) plus top-level
   ``block_size``, ``num_target_layers``, ``rope_theta`` (transformers 5 writes only
   ``rope_parameters``; older readers would silently use theta 10000) and
   ``dflash_config: {block_size, mask_token_id, target_layer_ids}`` (SGLang reads
   ``dflash_config`` first and falls back to the top level; newer published drafters
-  nest ``block_size`` there).
+  nest ``block_size`` there). DFlash 2 adds its keys to ``dflash_config``
+  (``conv_kernel_size, conv_group_size, selector_rank, selector_top_k,
+  final_logit_softcapping, output_multiplier``) and ``use_cache: false``, as z-lab's
+  DFlash 2 checkpoints do.
+* ``dflash.py``: the remote code ``auto_map`` names, a copy of
+  :mod:`dflashpipe.drafter.hf_modeling` (torch + transformers only), so
+  ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` loads the export.
 * ``model.safetensors``: exactly the keys of
   :func:`dflashpipe.drafter.model.expected_state_shapes` (no ``model.`` prefix,
   no embedding / LM head, no biases), floating point.
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -31,12 +39,20 @@ from safetensors.torch import load_file, save_file
 from dflashpipe.atomic import atomic_path
 from dflashpipe.errors import UserError
 
+from . import hf_modeling
 from .model import DFlashDrafter, DrafterConfig, default_target_layer_ids, expected_state_shapes
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+#: the remote code beside the weights: a copy of hf_modeling.py (what ``auto_map`` names)
+CODE_NAME = "dflash.py"
+#: the class of each architecture, as z-lab names them (``architectures`` and ``auto_map``)
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 #: as in z-lab's published DFlash drafters (e.g. z-lab/Qwen3-8B-DFlash-b16)
 AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
+#: DFlash 2's keys in ``dflash_config`` (z-lab's names: the DrafterConfig fields of the same names)
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "final_logit_softcapping",
+                "output_multiplier")
 
 
 def layer_shape_config(cfg: DrafterConfig) -> dict:
@@ -81,11 +97,12 @@ def drafter_config_json(cfg: DrafterConfig, target_config=None, dtype: torch.dty
         **extra,
     )
     d = qc.to_diff_dict()
+    arch = ARCHITECTURES[cfg.arch]
     d.update(
         {
             "model_type": "qwen3",
-            "architectures": ["DFlashDraftModel"],
-            "auto_map": dict(AUTO_MAP),
+            "architectures": [arch],
+            "auto_map": {"AutoModel": f"dflash.{arch}"},
             "vocab_size": cfg.vocab_size,
             **layer_shape_config(cfg),
             "layer_types": ["full_attention"] * cfg.num_hidden_layers,
@@ -103,6 +120,19 @@ def drafter_config_json(cfg: DrafterConfig, target_config=None, dtype: torch.dty
             },
         }
     )
+    if "sliding_attention" in cfg.layer_types:
+        # as SGLang/vLLM and z-lab's reference read them; is_causal false: the block stays bidirectional
+        # (without it the reference makes sliding layers causal inside the block)
+        d.update(layer_types=list(cfg.layer_types), sliding_window=cfg.sliding_window, use_sliding_window=True,
+                 is_causal=False)
+    if cfg.arch == "dflash2":
+        d["dflash_config"].update({k: getattr(cfg, k) for k in DFLASH2_KEYS})
+        d["use_cache"] = False
+    else:  # a plain DFlash drafter with a logit transform (not the paper's): written where the reference reads it
+        if cfg.output_multiplier != 1.0:
+            d["dflash_config"]["output_multiplier"] = cfg.output_multiplier
+        if cfg.final_logit_softcapping:
+            d["dflash_config"]["final_logit_softcapping"] = cfg.final_logit_softcapping
     if dtype is not None:
         d["dtype"] = str(dtype).removeprefix("torch.")
     d.pop("id2label", None)
@@ -151,7 +181,37 @@ def save_drafter(
     with atomic_path(out_dir, is_dir=True) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        shutil.copyfile(hf_modeling.__file__, tmp / CODE_NAME)
     return out_dir
+
+
+def _arch_from_json(d: dict, where: Path) -> dict:
+    """The architecture fields of DrafterConfig from a config.json (ours, z-lab's DFlash or DFlash 2)."""
+    dflash = d.get("dflash_config") or {}
+    archs = d.get("architectures") or ["DFlashDraftModel"]
+    names = {v: k for k, v in ARCHITECTURES.items()}
+    if archs[0] not in names:
+        raise UserError(f"{where}: architectures {archs} is not one of {', '.join(names)}")
+    n = int(d["num_hidden_layers"])
+    layer_types = d.get("layer_types")
+    if not layer_types:  # Qwen2/3 convention: layers from max_window_layers on slide when use_sliding_window
+        slide_from = int(d.get("max_window_layers") or 0) if d.get("use_sliding_window") else n
+        layer_types = ["sliding_attention" if i >= slide_from else "full_attention" for i in range(n)]
+    out = {"arch": names[archs[0]], "layer_types": list(layer_types)}
+    if "sliding_attention" in layer_types:
+        if d.get("sliding_window") is None:
+            raise UserError(f"{where}: layer_types has sliding_attention layers but sliding_window is missing")
+        if d.get("is_causal") is not False:  # absent: the reference makes sliding layers causal in the block
+            raise UserError(f"{where}: sliding_attention layers need 'is_causal': false (this drafter attends "
+                            f"bidirectionally inside a block; got {d.get('is_causal')!r})")
+        out["sliding_window"] = int(d["sliding_window"])
+    for key in DFLASH2_KEYS:
+        value = dflash.get(key, d.get(key))
+        if value is not None:
+            out[key] = value
+        elif out["arch"] == "dflash2" and key != "final_logit_softcapping":
+            raise UserError(f"{where}: missing key 'dflash_config.{key}' (a DFlash 2 drafter)")
+    return out
 
 
 def _cfg_from_json(d: dict, where: Path) -> DrafterConfig:
@@ -193,6 +253,7 @@ def _cfg_from_json(d: dict, where: Path) -> DrafterConfig:
         mask_token_id=int(mask_token_id),
         target_layer_ids=list(ids),
         num_target_layers=num_target_layers,
+        **_arch_from_json(d, where),
     )
 
 
@@ -244,3 +305,37 @@ def load_drafter(
     model.to(device=device, dtype=dtype if dtype is not None else next(iter(state.values())).dtype)
     model.eval()
     return model, cfg
+
+
+def export_final(final_state: str | os.PathLike, target_dir: str | os.PathLike, out_dir: str | os.PathLike,
+                 log=print) -> Path:
+    """The export rule: write the drafter export ``out_dir`` from a training run's final weights.
+
+    ``final_state``: the safetensors file the train job publishes (the drafter's state dict, as
+    trained, with metadata ``drafter_config`` (JSON of :class:`DrafterConfig`) and ``export_dtype``
+    (the training autocast dtype the export is cast to; empty: as stored)). ``target_dir``: the
+    target checkpoint (its bos/eos/pad ids go into config.json; its shapes are checked).
+    """
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    final_state = Path(final_state)
+    try:
+        with safe_open(str(final_state), "pt") as f:
+            meta = f.metadata() or {}
+        state = load_file(str(final_state))
+    except (SafetensorError, OSError) as err:
+        raise UserError(f"{final_state}: cannot read the run's final weights ({err})") from None
+    if "drafter_config" not in meta:
+        raise UserError(f"{final_state}: no drafter_config in its metadata; not the final weights of a training run")
+    cfg = DrafterConfig(**json.loads(meta["drafter_config"]))
+    model = DFlashDrafter(cfg)
+    model.load_state_dict(state, strict=True)
+    name = meta.get("export_dtype") or ""
+    dtype = getattr(torch, name) if name else None
+    target_config = AutoConfig.from_pretrained(str(target_dir))
+    if hasattr(target_config, "get_text_config"):
+        target_config = target_config.get_text_config()
+    out = save_drafter(model, cfg, out_dir, target_config=target_config, dtype=dtype)
+    log(f"exported the drafter (step {meta.get('step', '?')}, {cfg.arch}) to {out}")
+    return out

@@ -64,6 +64,29 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def unsupported_reason(cfg: DrafterConfig) -> str | None:
+    """None when transformers' assistant can run this drafter; else why not (one line).
+
+    ``MuseGlimmerAssistantModel`` is plain DFlash with full attention and the LM head's raw logits.
+    """
+    if cfg.arch != "dflash":
+        return f"transformers' {ARCHITECTURE} runs plain DFlash drafters only, not drafter.arch {cfg.arch}"
+    if "sliding_attention" in cfg.layer_types:
+        return f"transformers' {ARCHITECTURE} is exported with full attention only; this drafter has sliding-window layers"
+    if cfg.output_multiplier != 1.0 or cfg.final_logit_softcapping:
+        return f"transformers' {ARCHITECTURE} uses the LM head's raw logits; this drafter scales or soft-caps them"
+    return None
+
+
+def _supported(drafter_dir: Path):
+    """load_drafter, refusing a drafter the assistant cannot run (one-line UserError)."""
+    drafter, cfg = load_drafter(drafter_dir)  # validates the export (keys, shapes, config)
+    reason = unsupported_reason(cfg)
+    if reason:
+        raise UserError(f"{drafter_dir}: {reason}")
+    return drafter, cfg
+
+
 def assistant_config_dict(cfg: DrafterConfig, special_ids: dict | None = None, dtype: torch.dtype | None = None) -> dict:
     """The ``MuseGlimmerAssistantConfig`` fields for a drafter of config ``cfg``.
 
@@ -112,7 +135,8 @@ def load_hf_assistant(drafter_dir: str | os.PathLike, device: str | torch.device
 
     Loading is strict both ways: every key of the assistant gets a weight and
     every weight of the export is used. Raises :class:`UserError` when the
-    installed transformers has no DFlash generation.
+    installed transformers has no DFlash generation, or for a drafter it cannot
+    run (:func:`unsupported_reason`: DFlash 2, sliding-window layers).
     """
     reason = unavailable_reason()
     if reason:
@@ -120,7 +144,7 @@ def load_hf_assistant(drafter_dir: str | os.PathLike, device: str | torch.device
     from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
 
     drafter_dir = Path(drafter_dir)
-    drafter, cfg = load_drafter(drafter_dir)  # validates the export (keys, shapes, config)
+    drafter, cfg = _supported(drafter_dir)
     state = assistant_state_dict(drafter.state_dict())
     conf = assistant_config_dict(cfg, _special_ids(drafter_dir))
     conf.pop("model_type")
@@ -157,7 +181,7 @@ def export_hf_assistant(drafter_dir: str | os.PathLike, out_dir: str | os.PathLi
     from safetensors.torch import save_file
 
     drafter_dir = Path(drafter_dir)
-    drafter, cfg = load_drafter(drafter_dir)
+    drafter, cfg = _supported(drafter_dir)
     state = {k: t.contiguous() for k, t in assistant_state_dict(drafter.state_dict()).items()}
     conf = assistant_config_dict(cfg, _special_ids(drafter_dir), next(iter(state.values())).dtype)
     out_dir = Path(out_dir)

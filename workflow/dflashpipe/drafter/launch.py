@@ -139,7 +139,7 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
 
 def run_training(*, world_size: int, threads_per_rank: int, cfg: dict, tokenized: str, target: str, run_dir: str,
                  cache_root: str, stamps: list[str], gpu_config: dict, rank_logs: list[str], metrics_csv: str,
-                 summary_json: str, export_dir: str, log=print) -> dict:
+                 summary_json: str, final_state: str, log=print) -> dict:
     """One training run of ``world_size`` ranks: launch them, then mark the run complete.
 
     ``cfg`` is a :class:`~dflashpipe.drafter.train.TrainConfig` as a dict;
@@ -158,7 +158,7 @@ def run_training(*, world_size: int, threads_per_rank: int, cfg: dict, tokenized
     spec = {
         "world_size": world_size, "threads": threads_per_rank, "cfg": cfg, "tokenized": tokenized, "target": target,
         "identity": identity, "ckpt_dir": str(ckpt), "cache_root": cache_root, "stamps": stamps, "gpu_config": gpu_config,
-        "rank_logs": rank_logs, "metrics_csv": metrics_csv, "summary_json": summary_json, "export_dir": export_dir,
+        "rank_logs": rank_logs, "metrics_csv": metrics_csv, "summary_json": summary_json, "final_state": final_state,
         # a fresh rendezvous file per launch: a killed launch's file is never reused
         "init_method": rendezvous_url(os.path.join(run_dir, "rendezvous"), uuid.uuid4().hex[:12]),
     }
@@ -198,7 +198,7 @@ def rank_main(rank: int, spec: dict) -> None:
         train_rank(
             TrainConfig(**spec["cfg"]), spec["tokenized"], spec["target"], spec["ckpt_dir"], rank, K,
             spec["init_method"], lease.device, spec["metrics_csv"], spec["summary_json"],
-            export_dir=spec["export_dir"], log=log, hot_start=hot_start(spec["stamps"][rank], lease.device),
+            final_state=spec["final_state"], log=log, hot_start=hot_start(spec["stamps"][rank], lease.device),
             identity=spec["identity"],
         )
 

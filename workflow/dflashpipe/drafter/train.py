@@ -31,7 +31,7 @@ from dflashpipe.errors import UserError
 from dflashpipe.faults import failpoint
 from dflashpipe.tracking import Tracker, check_available
 
-from .checkpoint import MetricsHistory, load_checkpoint, run_identity, save_checkpoint, start_run
+from .checkpoint import MetricsHistory, load_checkpoint, run_identity, save_checkpoint, save_final_state, start_run
 from .data import TRAIN_SALT, epoch_batches, heldout_split, make_batch, rank_slice, sample_seed
 from .distributed import (
     broadcast_int,
@@ -42,10 +42,9 @@ from .distributed import (
     init_dist,
     sharded_adamw,
 )
-from .export import save_drafter
 from .features import trim_unused_layers
-from .heldout import heldout_figures, heldout_loss
-from .model import DFlashDrafter, DrafterConfig
+from .heldout import heldout_figures
+from .model import ARCH_KEYS, DFlashDrafter, DrafterConfig
 from .step import apply_compile_mode, compile_signature, lr_at, prime_buckets, resolve_setup, train_step
 
 # ---------------------------------------------------------------------------
@@ -57,6 +56,15 @@ from .step import apply_compile_mode, compile_signature, lr_at, prime_buckets, r
 class TrainConfig:
     num_layers: int = 5  # drafter layers
     block_size: int = 16
+    arch: str = "dflash2"  # dflash2 | dflash (the drafter section's architecture keys: model.ARCH_KEYS)
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    final_logit_softcapping: float | None = None
+    output_multiplier: float = 1.0
     num_anchors: int = 512  # N anchors per sequence, padded with keep=False
     target_layer_ids: list[int] | None = None  # None: default_target_layer_ids(L, num_layers)
     mask_token_id: int | None = None  # None: tokenizer.mask_token_id, else error
@@ -73,6 +81,10 @@ class TrainConfig:
     eval_every: int = 0  # 0: only at the end
     heldout_samples: int = 64  # deterministic held-out split of the tokenized data (by hash of id)
     seed: int = 0
+    loss: str = "kl"  # kl (the target's distribution) | ce (the data's tokens)
+    tv_weight: float = 0.0  # + that multiple of the total variation to the target (or the label)
+    position_weights: str = "decay"  # decay (exp(-(k-1)/gamma), the paper) | dpace
+    selector_weight: float = 1.0  # dflash2: the candidate selector's loss, relative to the token loss
     attention: str = "auto"  # auto: flex on CUDA, sdpa (dense mask) on CPU
     compile: str = "layers"  # flex path (CUDA): layers | flex (flex_attention alone) | none (guard stops it)
     dtype: str = "auto"  # auto: bf16 autocast on CUDA with fp32 master weights; fp32 on CPU
@@ -86,9 +98,7 @@ class TrainConfig:
         """Build from the config's ``drafter`` and ``train`` sections (pipeline-only keys ignored)."""
         from dflashpipe.config import settings
 
-        return settings(cls, train, num_layers=drafter["num_layers"], block_size=drafter["block_size"],
-                        target_layer_ids=drafter.get("target_layer_ids"), mask_token_id=drafter.get("mask_token_id"),
-                        seed=seed)
+        return settings(cls, drafter, train, seed=seed)
 
 
 # ---------------------------------------------------------------------------
@@ -112,9 +122,11 @@ def build(cfg: TrainConfig, target_dir: str, dev: torch.device, world_size: int)
     early = resolve_setup(cfg, str(dev), 0, [0], world_size)  # validates attention/dtype/batch before the slow load
     mask_id, _ = resolve_mask_token(target_dir, cfg.mask_token_id)  # the rule the start-up check applied
     target, tokenizer = load_target(target_dir, str(dev), early.target_dtype)
-    dcfg = DrafterConfig.from_target_config(target.config, cfg.num_layers, cfg.block_size, mask_id, cfg.target_layer_ids)
+    dcfg = DrafterConfig.from_target_config(target.config, cfg.num_layers, cfg.block_size, mask_id, cfg.target_layer_ids,
+                                            **{k: getattr(cfg, k) for k in ARCH_KEYS})
     setup = resolve_setup(cfg, str(dev), dcfg.mask_token_id, dcfg.target_layer_ids, world_size)
-    trim_unused_layers(target, dcfg.target_layer_ids)
+    if not setup.objective.needs_teacher:  # distillation reads the target's last layer and LM head
+        trim_unused_layers(target, dcfg.target_layer_ids)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
@@ -154,12 +166,12 @@ def peak_mem_mb(device: torch.device) -> float:
 
 
 def train_rank(cfg: TrainConfig, tokenized_dir: str, target_dir: str, ckpt_dir: str, rank: int, world_size: int,
-               init_method: str, device: str, metrics_csv: str, summary_json: str, export_dir: str | None = None,
+               init_method: str, device: str, metrics_csv: str, summary_json: str, final_state: str | None = None,
                log=print, hot_start=None, identity: dict | None = None) -> dict:
     """Run rank ``rank`` of a ``world_size``-rank training run; returns the run's summary.
 
     Rank 0 publishes the outputs (``metrics_csv``, ``summary_json``,
-    ``export_dir``) once every rank has finished. ``hot_start``: a callable
+    ``final_state``) once every rank has finished. ``hot_start``: a callable
     ``(signature: dict) -> checker`` (see :mod:`dflashpipe.hotstart`): it
     validates the slot's warm stamp against this rank's compile signature before
     anything compiles, and the checker's ``after_first_step(log)`` proves, after
@@ -174,12 +186,12 @@ def train_rank(cfg: TrainConfig, tokenized_dir: str, target_dir: str, ckpt_dir: 
     try:
         identity = identity or run_identity(cfg, tokenized_dir, target_dir)
         return _train(cfg, tokenized_dir, target_dir, Path(ckpt_dir), identity, rank, world_size, dev, metrics_csv,
-                      summary_json, export_dir, log, t_start, hot_start)
+                      summary_json, final_state, log, t_start, hot_start)
     finally:
         dist.destroy_process_group()
 
 
-def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, metrics_csv, summary_json, export_dir, log,
+def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, metrics_csv, summary_json, final_state, log,
            t_start, hot_start):
     from tqdm import tqdm
 
@@ -213,7 +225,8 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
     chosen = broadcast_int(state["step"] if state is not None else 0)
     if rank != 0 and chosen:
         state = load_checkpoint(ckpt_dir, identity, log, step=chosen)
-    start_step, last = 0, {"loss": None, "acc": None, "heldout_loss": None, "heldout_acc": None}
+    start_step, last = 0, {"loss": None, "acc": None, "heldout_loss": None, "heldout_acc": None,
+                           "heldout_sim_tau": None, "accept_by_position": None}
     if state is not None:
         drafter.load_state_dict(state["model"])
         start_step, last = int(state["step"]), dict(state["last"])
@@ -275,16 +288,17 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
                    "acc": f"{out['acc']:.6f}", "lr": f"{lr:.6g}", "grad_norm": f"{out['grad_norm']:.6g}",
                    "tokens_per_s": f"{out['tokens'] / dt:.1f}", "tokens_per_s_per_gpu": f"{out['tokens'] / dt / K:.1f}",
                    "step_seconds": f"{dt:.4f}", "peak_mem_mb": f"{peak_mem_mb(dev):.1f}"}
-            by_position = None
+            held = None
             if step == total_steps or (cfg.eval_every and step % cfg.eval_every == 0):
-                held = heldout_figures(drafter, target, ds, heldout_idx, buckets, setup, cfg.seed, pad_id, rank, K,
-                                       by_position=cfg.tensorboard or cfg.wandb)
-                hl, ha, by_position = held["loss"], held["acc"], held["acc_by_position"]
-                last.update(heldout_loss=hl, heldout_acc=ha)
-                row.update(heldout_loss="" if hl is None else f"{hl:.6f}", heldout_acc="" if ha is None else f"{ha:.6f}")
-                log(f"step {step}: loss {out['loss']:.4f} acc {out['acc']:.4f} held-out loss {hl} acc {ha}")
+                held = heldout_figures(drafter, target, ds, heldout_idx, buckets, setup, cfg.seed, pad_id, rank, K)
+                hl, ha, st = held["loss"], held["acc"], held["sim_tau"]
+                last.update(heldout_loss=hl, heldout_acc=ha, heldout_sim_tau=st,
+                            accept_by_position=held["accept_by_position"])
+                row.update(heldout_loss=_fmt(hl), heldout_acc=_fmt(ha), heldout_sim_tau=_fmt(st))
+                log(f"step {step}: loss {out['loss']:.4f} acc {out['acc']:.4f} held-out loss {hl} acc {ha} "
+                    f"simulated tau {st}")
             history.write(row)
-            tracker.log_step(row, by_position)
+            tracker.log_step(row, held and held["acc_by_position"], held and held["accept_by_position"])
             if step % cfg.checkpoint_every == 0 or step == total_steps:
                 optimizer_state = full_optimizer_state(opt)  # a collective: every rank takes part
                 history.sync()
@@ -301,8 +315,9 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
         tracker.close()
 
     if first_step_seconds is None:  # resumed at the very end (e.g. the export failed): recompute the held-out figures
-        hl, ha = heldout_loss(drafter, target, ds, heldout_idx, buckets, setup, cfg.seed, pad_id, rank, K)
-        last.update(heldout_loss=hl, heldout_acc=ha)
+        held = heldout_figures(drafter, target, ds, heldout_idx, buckets, setup, cfg.seed, pad_id, rank, K)
+        last.update(heldout_loss=held["loss"], heldout_acc=held["acc"], heldout_sim_tau=held["sim_tau"],
+                    accept_by_position=held["accept_by_position"])
 
     # -- outputs: published by rank 0 once every rank got here -----------------------
     steady = step_times[1:] or step_times  # the first step includes any compile
@@ -331,6 +346,12 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
         "final_acc": last["acc"],
         "heldout_loss": last["heldout_loss"],
         "heldout_acc": last["heldout_acc"],
+        # expected tau of greedy decoding on the held-out blocks (heldout.py), to set beside the measured one
+        "heldout_sim_tau": last.get("heldout_sim_tau"),
+        "heldout_accept_by_position": last.get("accept_by_position"),
+        "arch": dcfg.arch,
+        "loss": cfg.loss,
+        "position_weights": cfg.position_weights,
         "tokens_per_s": tokens_per_s,  # context tokens of all ranks per second
         "tokens_per_s_per_gpu": tokens_per_s / K if tokens_per_s else None,
         "total_seconds": time.time() - t_start,
@@ -345,9 +366,9 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
         try:
             failpoint("train.export", rank=rank)
             history.publish(metrics_csv)
-            if export_dir:
-                save_drafter(drafter, dcfg, export_dir, target_config=target.config, dtype=setup.autocast_dtype)
-                log(f"exported drafter to {export_dir}")
+            if final_state:  # the final weights, for the export rule (drafter/export.py: export_final)
+                save_final_state(final_state, drafter, dcfg, total_steps, setup.autocast_dtype)
+                log(f"final weights (step {total_steps}) in {final_state}")
             write_json(summary_json, summary)
         except OSError as err:
             raise UserError(
@@ -356,6 +377,10 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
             ) from None
     dist.barrier()  # no rank reports success before the outputs exist
     return summary
+
+
+def _fmt(x) -> str:
+    return "" if x is None else f"{x:.6f}"
 
 
 def _fused_steps_on_device(opt) -> None:

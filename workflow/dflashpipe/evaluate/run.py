@@ -281,9 +281,15 @@ def _evaluate(
 
     hf_assistant = None
     if "hf_dflash" in methods:
-        from dflashpipe.drafter.hf_assistant import load_hf_assistant
+        from dflashpipe.drafter.hf_assistant import load_hf_assistant, unsupported_reason
 
-        hf_assistant = load_hf_assistant(drafter_dir, device=dev, dtype=dtype)
+        reason = unsupported_reason(dcfg)  # e.g. a DFlash 2 drafter: transformers runs plain DFlash only
+        if reason:
+            skipped_methods["hf_dflash"] = reason
+            methods.remove("hf_dflash")
+            log(f"skipping method hf_dflash: {reason}")
+        else:
+            hf_assistant = load_hf_assistant(drafter_dir, device=dev, dtype=dtype)
 
     df = read_prompts(prompts_parquet)
     # every method must decode max_new_tokens (plus one verify block) within the target's context

@@ -1,0 +1,40 @@
+"""The export is a rule of its own: it reads the training run's final weights, so an edit of the export code
+reruns the export (and what reads the drafter), never the warm chain or training."""
+
+from __future__ import annotations
+
+from conftest import REPO, planned_after_edit, snakemake
+
+NOT_RERUN = {"warm_slot", "train", "tokenize", "expand_shard", "tiny_target", "prompts"}
+READ_THE_DRAFTER = {"export", "evaluate", "tables", "plots", "all"}
+
+
+def test_an_export_code_edit_reruns_the_export_only(mini_copy):
+    work, cfg = mini_copy
+    for module in ("drafter/export.py", "drafter/hf_modeling.py"):
+        planned = planned_after_edit(work, cfg, module)
+        assert "export" in planned and not planned & NOT_RERUN, (module, planned)
+        assert planned <= READ_THE_DRAFTER, (module, planned)
+
+    r = work / "results"
+    weights = (r / "drafter/model.safetensors").read_bytes()
+    final = (r / "train/final.safetensors").read_bytes()
+    metrics = (r / "train/metrics.csv").read_bytes()
+    rank_log = (r / "logs/train/rank0.log").read_bytes()
+    export_py = REPO / "workflow/dflashpipe/drafter/export.py"
+    original = export_py.read_text()
+    try:
+        export_py.write_text(original + "\n# edited\n")
+        res = snakemake(work, "results/drafter", "--cores", "2", "--configfile", str(cfg))
+    finally:
+        export_py.write_text(original)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout + res.stderr
+    assert "rule export:" in out and "rule train:" not in out and "rule warm_slot:" not in out
+    # the same drafter, byte for byte, from the same final weights; no training step ran
+    assert (r / "drafter/model.safetensors").read_bytes() == weights
+    assert (r / "train/final.safetensors").read_bytes() == final
+    assert (r / "train/metrics.csv").read_bytes() == metrics and (r / "logs/train/rank0.log").read_bytes() == rank_log
+    assert "exported the drafter (step 6, dflash2)" in (r / "logs/export/export.log").read_text()
+    # the export ships the modeling file its config names
+    assert (r / "drafter/dflash.py").read_text() == (REPO / "workflow/dflashpipe/drafter/hf_modeling.py").read_text()

@@ -1,0 +1,5 @@
+from dflashpipe.drafter.export import export_final
+from dflashpipe.runtime import job
+
+with job(snakemake.log[0], threads=snakemake.threads, name="export") as log:
+    export_final(snakemake.input.final, snakemake.input.target, snakemake.output.drafter, log=log)
