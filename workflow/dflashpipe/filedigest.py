@@ -30,6 +30,11 @@ from pathlib import Path
 ENV = "DFLASHPIPE_DIGEST_CACHE"
 
 
+def share_cache(results_dir: str | os.PathLike) -> None:
+    """Point this process and the jobs it starts at the results' digest cache (the Snakefile calls it)."""
+    os.environ[ENV] = os.path.abspath(os.path.join(results_dir, ".cache", "file-digests.json"))
+
+
 def _key(path: Path) -> str:
     st = path.stat()
     return json.dumps([str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev])

@@ -2,7 +2,6 @@
 # rules' paths, input functions and params builders (dflashpipe.wiring).
 # Nothing here runs a stage; no stage script imports dflashpipe.wiring.
 
-import os
 import sys
 from pathlib import Path
 
@@ -12,6 +11,7 @@ sys.path.insert(0, str(REPO / "workflow"))
 from dflashpipe.checkout import pin_code
 from dflashpipe.config import prepare_config
 from dflashpipe.errors import UserError
+from dflashpipe.filedigest import share_cache
 from dflashpipe.wiring import Pipeline
 
 # the jobs (new Python processes) import this checkout's library, not an installed one
@@ -32,7 +32,7 @@ except UserError as err:
 pipeline = Pipeline(config, repo=REPO)
 paths = pipeline.paths
 # the jobs' cache of big files' digests (a target's weights are read once per file version)
-os.environ["DFLASHPIPE_DIGEST_CACHE"] = os.path.abspath(os.path.join(config["results"], ".cache", "file-digests.json"))
+share_cache(config["results"])
 
 _gpu_budget = workflow.global_resources.get("gpu")
 _problem = pipeline.gpu_problem(getattr(_gpu_budget, "value", _gpu_budget))
