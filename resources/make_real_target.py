@@ -63,6 +63,12 @@ def main():
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if not getattr(tok, "chat_template", None):
         sys.exit(f"{gguf.name}: the tokenizer has no chat template; the pipeline needs one")
+    end = "<|im_end|>"  # ChatML's end of turn; some transformers versions read the GGUF's eos as <|im_start|>
+    if end in tok.get_vocab() and tok.eos_token != end:
+        print(f"eos {tok.eos_token!r} -> {end!r} (the chat template ends a turn with it)")
+        tok.eos_token = end
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
     dtype = getattr(torch, args.dtype)
     # dequantize=True: plain dense weights (transformers 5.2x otherwise keeps the blocks packed, unsaveable;
     # releases without GgufConfig always dequantize)
@@ -80,6 +86,8 @@ def main():
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.generation_config = loaded.generation_config
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
     del loaded
 
     out = args.out.resolve()

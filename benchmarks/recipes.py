@@ -1,0 +1,305 @@
+"""Drafter recipes compared at equal data, steps and compute: tau, speed-up, simulated tau, training cost.
+
+For one target and one config (merged onto config/config.yaml, as the workflow does) this
+prepares the data once through the pipeline's own library functions (prompts -> expansion by the
+target -> tokenize; skipped when ``--data`` already holds them), then, for every recipe and seed,
+trains a drafter with the pipeline's training (one rank) and evaluates it with the pipeline's
+evaluation (DFlash and same-harness AR, greedy) on every ``use: eval`` dataset:
+
+* ``dflash_ce``       the paper's recipe (today's default): DFlash, CE on the data, exp decay weights
+* ``dflash_kl_dpace`` distillation: KL to the target's own distribution, D-PACE position weights
+* ``dflash_swa``      DFlash with every layer sliding-window (``--window`` tokens)
+* ``dflash2``         DFlash 2: convolutions + candidate selector, KL (speculators' default objective)
+
+Every recipe sees the same samples in the same order with the same anchors (the data order is a
+function of the seed only), the same number of steps and the same attention path. GPU training
+is not bit-deterministic, so each recipe runs under several seeds (``--seeds``; the seed also
+draws the drafter's initial weights) and the summary gives the mean and the spread (min-max).
+
+Writes under ``--out``: ``runs.csv`` (one row per recipe, seed and eval dataset), ``summary.csv``
+and ``summary.md`` (mean and spread per recipe and dataset), ``recipes.png``; and logs.
+
+    python benchmarks/recipes.py --out $OUT/smollm2 --config config/smollm2.yaml --seeds 0,1
+    python benchmarks/recipes.py --out /tmp/r --config tests/mini.yaml --target T --data D --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "workflow"))
+
+import torch  # noqa: E402
+
+RECIPES = {
+    "dflash_ce": {},
+    "dflash_kl_dpace": {"train": {"loss": "kl", "position_weights": "dpace"}},
+    "dflash_swa": {"drafter": {"sliding_window": "WINDOW"}},
+    "dflash2": {"drafter": {"arch": "dflash2"}, "train": {"loss": "kl"}},
+}
+
+
+def merged_config(files: list[str], overrides: list[str]) -> dict:
+    """config/config.yaml with ``files`` merged on (as Snakemake does), ``key.sub=value`` overrides, validated."""
+    import yaml
+
+    from dflashpipe.config import _merge, load_yaml, prepare_config
+
+    cfg = load_yaml(str(REPO / "config" / "config.yaml"))
+    for f in files:
+        cfg = _merge(cfg, load_yaml(f))
+    for item in overrides:
+        key, value = item.split("=", 1)
+        node = cfg
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = yaml.safe_load(value)
+    for note in prepare_config(cfg, ", ".join(files) or "config", files):
+        print(note)
+    return cfg
+
+
+def tiny_target(cfg: dict, prompts: dict, out: Path, log) -> str:
+    """The embedded default target, trained as the workflow's ``tiny_target`` rule trains it (on the CPU)."""
+    from dflashpipe.config import settings
+    from dflashpipe.data import read_prompts
+    from dflashpipe.tiny_target import TinyTargetConfig, train_tiny_target
+
+    def chats(path):
+        df = read_prompts(str(path))
+        df = df[df["reference"].notna()]
+        return [list(p) + [{"role": "assistant", "content": r}] for p, r in zip(df["prompt"], df["reference"])]
+
+    tiny = cfg["target"]["tiny"]
+    if not (out / "model").exists():
+        t0 = time.time()
+        train = [c for name in tiny["train_datasets"] for c in chats(prompts[name])]
+        train_tiny_target(train, chats(prompts[tiny["heldout_dataset"]]), settings(TinyTargetConfig, tiny, seed=cfg["seed"]),
+                          str(out / "model"), str(out / "metrics.json"), log=log)
+        log(f"tiny target trained in {time.time() - t0:.1f}s")
+    return str(out / "model")
+
+
+def prepare_data(cfg: dict, target: str | None, data: Path, device: str, log) -> tuple[dict, str]:
+    """Prompts of every dataset, the tiny default target when no target is given, expansion of the
+    training datasets by the target, tokenization (each once: kept in ``data``). Returns (prompts, target)."""
+    from dflashpipe.config import settings
+    from dflashpipe.data import prepare_prompts
+    from dflashpipe.expand import ExpandSettings, expand_prompts
+    from dflashpipe.tokenize import tokenize_expanded
+
+    data.mkdir(parents=True, exist_ok=True)
+    prompts, expanded = {}, {}
+    for name, spec in cfg["datasets"].items():
+        prompts[name] = data / f"prompts_{name}.parquet"
+        if not prompts[name].exists():
+            prepare_prompts(spec, name, str(prompts[name]), repo_root=str(REPO))
+    target = target or tiny_target(cfg, prompts, data / "target", log)
+    tokenized = data / "tokenized"
+    if tokenized.exists():
+        return prompts, target
+    s = settings(ExpandSettings, cfg["expand"], seed=cfg["seed"])
+    for name, spec in cfg["datasets"].items():
+        if spec["use"] != "train":
+            continue
+        expanded[name] = data / f"expanded_{name}.parquet"
+        if not expanded[name].exists():
+            t0 = time.time()
+            expand_prompts(str(prompts[name]), target, s, str(expanded[name]), device=device, log=log)
+            log(f"expanded {name} in {time.time() - t0:.1f}s")
+    tk = cfg["tokenize"]
+    tokenize_expanded({n: str(p) for n, p in expanded.items()}, target, cfg["drafter"]["block_size"], tk["buckets"],
+                      str(tokenized), str(data / "tokenized_stats.json"),
+                      chat_template_kwargs=cfg["expand"]["chat_template_kwargs"], cut_replies=tk["cut_replies"],
+                      reply_ids=tk["reply_ids"], log=log)
+    return prompts, target
+
+
+def recipe_config(cfg: dict, recipe: str, window: int, seed: int) -> dict:
+    out = copy.deepcopy(cfg)
+    for section, keys in RECIPES[recipe].items():
+        out[section].update({k: (window if v == "WINDOW" else v) for k, v in keys.items()})
+    out["seed"] = seed
+    return out
+
+
+def train_one(cfg: dict, target: str, tokenized: str, run: Path, device: str, log) -> dict:
+    """One rank of the pipeline's training on this process's device, then its export; returns its summary."""
+    from dflashpipe.drafter.export import export_final
+    from dflashpipe.drafter.train import TrainConfig, train_rank
+
+    tc = TrainConfig.from_sections(cfg["drafter"], {**cfg["train"], "tensorboard": False}, cfg["seed"])
+    run.mkdir(parents=True, exist_ok=True)
+    rdzv = run / "rendezvous"
+    rdzv.unlink(missing_ok=True)
+    t0 = time.time()
+    summary = train_rank(tc, tokenized, target, str(run / "checkpoints"), 0, 1, f"file://{rdzv}", device,
+                         str(run / "metrics.csv"), str(run / "summary.json"), final_state=str(run / "final.safetensors"),
+                         log=log)
+    summary["wall_s"] = time.time() - t0
+    export_final(run / "final.safetensors", target, run / "drafter", log=log)
+    return summary
+
+
+def evaluate_one(cfg: dict, target: str, drafter: Path, prompts: dict, run: Path, device: str, log) -> dict:
+    from dflashpipe.evaluate.run import evaluate_dataset
+
+    ev = cfg["evaluate"]
+    out = {}
+    for name, spec in cfg["datasets"].items():
+        if spec["use"] != "eval":
+            continue
+        s = evaluate_dataset(target, str(drafter), str(prompts[name]), str(run / f"{name}.samples.parquet"),
+                             str(run / f"{name}.summary.json"), max_new_tokens=ev["max_new_tokens"], temperature=0.0,
+                             num_prompts=ev["num_prompts"], device=device, seed=cfg["seed"], methods=["dflash", "ar"],
+                             lossless="report", chat_template_kwargs=cfg["expand"]["chat_template_kwargs"],
+                             target_step=ev["target_step"], log=log)
+        out[name] = s
+    return out
+
+
+def row_of(recipe, seed, dataset, train, ev) -> dict:
+    d, ar = ev["methods"]["dflash"], ev["methods"]["ar"]
+    return {
+        "recipe": recipe, "seed": seed, "dataset": dataset,
+        "tau_pooled": d.get("tau_pooled"), "tau_mean": d.get("tau_mean"), "simulated_tau": train.get("heldout_sim_tau"),
+        "speedup_vs_ar": d.get("speedup_vs_ar"), "dflash_tokens_per_s": d.get("tokens_per_s"),
+        "ar_tokens_per_s": ar.get("tokens_per_s"), "lossless_passed": (ev.get("lossless") or {}).get("passed"),
+        "heldout_acc": train.get("heldout_acc"), "heldout_loss": train.get("heldout_loss"),
+        "train_tokens_per_s": train.get("tokens_per_s"), "train_steps": train.get("steps"),
+        "train_peak_mem_mb": max(r["peak_mem_mb"] for r in train["ranks"]), "train_wall_s": train.get("wall_s"),
+    }  # fmt: skip
+
+
+def summarise(rows, out: Path) -> None:
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    df.to_csv(out / "runs.csv", index=False)
+    figures = ["tau_pooled", "tau_mean", "simulated_tau", "speedup_vs_ar", "heldout_acc", "train_tokens_per_s",
+               "train_peak_mem_mb"]
+    g = df.groupby(["dataset", "recipe"], sort=False)[figures]
+    summary = g.mean().add_suffix("_mean").join(g.min().add_suffix("_min")).join(g.max().add_suffix("_max"))
+    summary["seeds"] = g.size()
+    summary.reset_index().to_csv(out / "summary.csv", index=False)
+    lines = ["| dataset | recipe | tau pooled | tau mean | simulated tau | speed-up vs AR | held-out acc | "
+             "train ctx tok/s | train peak MiB | seeds |", "|" + " --- |" * 10]
+    for (dataset, recipe), r in summary.iterrows():
+        def cell(f, fmt="{:.2f}"):
+            return f"{fmt.format(r[f + '_mean'])} ({fmt.format(r[f + '_min'])}-{fmt.format(r[f + '_max'])})"
+
+        lines.append(f"| {dataset} | {recipe} | {cell('tau_pooled')} | {cell('tau_mean')} | {cell('simulated_tau')} | "
+                     f"{cell('speedup_vs_ar')} | {cell('heldout_acc', '{:.3f}')} | {r['train_tokens_per_s_mean']:,.0f} | "
+                     f"{r['train_peak_mem_mb_mean']:,.0f} | {int(r['seeds'])} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(df, out / "recipes.png")
+
+
+def copy_summary(out: Path, dest: Path) -> None:
+    import shutil
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("runs.csv", "summary.csv", "summary.md", "recipes.png", "recipes.log"):
+        if (out / name).exists():
+            shutil.copy(out / name, dest / name)
+
+
+def plot(df, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets, recipes = list(dict.fromkeys(df["dataset"])), list(dict.fromkeys(df["recipe"]))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    width = 0.8 / max(1, len(recipes))
+    for i, recipe in enumerate(recipes):
+        for ax, col in zip(axes, ["tau_pooled", "speedup_vs_ar"]):
+            g = df[df["recipe"] == recipe].groupby("dataset")[col]
+            mean, lo, hi = (g.mean().reindex(datasets), g.min().reindex(datasets), g.max().reindex(datasets))
+            xs = [j + i * width for j in range(len(datasets))]
+            ax.bar(xs, mean, width, yerr=[mean - lo, hi - mean], capsize=3, label=recipe)
+            if col == "tau_pooled":
+                sim = df[df["recipe"] == recipe].groupby("dataset")["simulated_tau"].mean().reindex(datasets)
+                ax.plot(xs, sim, "k_", markersize=14, mew=2, label="simulated tau" if i == 0 else None)
+    for ax, title in zip(axes, ["DFlash tau (pooled; bars: mean, whiskers: min-max over seeds)",
+                                "decode speed-up over same-harness AR"]):
+        ax.set_xticks([j + width * (len(recipes) - 1) / 2 for j in range(len(datasets))])
+        ax.set_xticklabels(datasets)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    axes[1].axhline(1.0, color="k", lw=0.8)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--config", action="append", default=[], help="config files merged onto config/config.yaml")
+    ap.add_argument("--set", action="append", default=[], help="key.sub=value overrides (YAML values)")
+    ap.add_argument("--target", help="target model dir (default: the config's target.path; none: train the tiny one)")
+    ap.add_argument("--data", help="folder for prompts/expansion/tokenized data (default: OUT/data)")
+    ap.add_argument("--recipes", default=",".join(RECIPES))
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--window", type=int, default=128, help="dflash_swa's sliding window (tokens)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--copy-to", help="also copy the summary files here (e.g. $OUT on the GPU machine)")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    logf = open(out / "recipes.log", "a")
+
+    def log(msg):
+        print(msg, flush=True)
+        logf.write(f"{msg}\n")
+        logf.flush()
+
+    cfg = merged_config(a.config, a.set + ([f"target.path={a.target}"] if a.target else []))
+    target = cfg["target"]["path"]
+    data = Path(a.data) if a.data else out / "data"
+    t0 = time.time()
+    prompts, target = prepare_data(cfg, target, data, a.device, log)
+    log(f"data ready in {time.time() - t0:.1f}s: {data}")
+    rows = []
+    for seed in [int(s) for s in a.seeds.split(",")]:
+        for recipe in a.recipes.split(","):
+            rc = recipe_config(cfg, recipe, a.window, seed)
+            run = out / "runs" / f"{recipe}_s{seed}"
+            log(f"== {recipe} seed {seed}")
+            train = train_one(rc, target, str(data / "tokenized"), run, a.device, log)
+            evs = evaluate_one(rc, target, run / "drafter", prompts, run, a.device, log)
+            for dataset, ev in evs.items():
+                rows.append(row_of(recipe, seed, dataset, train, ev))
+                r = rows[-1]
+                log(f"{recipe} s{seed} {dataset}: tau {r['tau_pooled']:.2f} (simulated {r['simulated_tau']:.2f}), "
+                    f"speed-up {r['speedup_vs_ar']:.2f}x, held-out acc {r['heldout_acc']:.3f}, "
+                    f"train {r['train_tokens_per_s']:,.0f} tok/s")
+            summarise(rows, out)  # after every run: a cut-off call still leaves its figures
+            if a.copy_to:
+                copy_summary(out, Path(a.copy_to))
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    json.dump({"config_files": a.config, "set": a.set, "seeds": a.seeds, "window": a.window,
+               "seconds": time.time() - t0}, open(out / "meta.json", "w"), indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
