@@ -162,6 +162,29 @@ def test_a_killed_rank_and_a_failed_export_recover_on_a_plain_rerun(mini_run, mi
     assert max_diff(weights(work), weights(ref)) <= 1e-6
 
 
+def test_a_reworded_log_message_in_the_training_code_resumes_a_killed_run(mini_run, mini_copy):
+    """The run identity digests the training code by meaning: a killed run whose code then only
+    changed a log message reruns (the file changed) and RESUMES from its checkpoint."""
+    ref, _ = mini_run
+    work, cfg = mini_copy
+    targets = ("results/train/final.safetensors", "results/drafter")
+    res = run(work, cfg, *targets, forcerun="train", env=faults({"at": "train.step", "step": 3, "rank": 1, "do": "kill"}))
+    assert res.returncode != 0
+    train_py = REPO / "workflow/dflashpipe/drafter/train.py"
+    original = train_py.read_text()
+    assert 'log(f"first step done in ' in original
+    try:
+        train_py.write_text(original.replace('log(f"first step done in ', 'log(f"the first step took '))
+        planned = set(planned_rules(work, *targets, "--configfile", str(cfg)))
+        assert {"warm_slot", "train"} <= planned  # the file changed: Snakemake reruns what reads it
+        run_ok(work, cfg, *targets)
+    finally:
+        train_py.write_text(original)
+    log = rank_log(work)
+    assert "resumed from step 2" in log and "the first step took" in log  # the new code ran, and resumed
+    assert max_diff(weights(work), weights(ref)) <= 1e-6
+
+
 # -- more GPUs, the same drafter -----------------------------------------------------------
 
 
