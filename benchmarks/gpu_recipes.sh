@@ -8,7 +8,7 @@
 # Every recipe takes the same data, steps, seeds and attention path (SDPA with the dense DFlash mask,
 # nothing compiled: the recipes differ in graphs, and a comparison should not time compiles); the
 # evaluation runs the target and drafter steps as CUDA graphs (evaluate.target_step: static).
-# Work files go to WORK (default /tmp/recipes); the tables and the plot are copied to OUT/WHAT.
+# Work files go to WORK (default $TMPDIR/recipes); the tables and the plot are copied to OUT/WHAT.
 set -euo pipefail
 OUT=$1
 WHAT=$2

@@ -20,7 +20,7 @@ Writes under ``--out``: ``runs.csv`` (one row per recipe, seed and eval dataset)
 and ``summary.md`` (mean and spread per recipe and dataset), ``recipes.png``; and logs.
 
     python benchmarks/recipes.py --out $OUT/smollm2 --config config/smollm2.yaml --seeds 0,1
-    python benchmarks/recipes.py --out /tmp/r --config tests/mini.yaml --target T --data D --device cpu
+    python benchmarks/recipes.py --out OUT --config my_small.yaml --seeds 0 --device cpu   # a CPU smoke run
 """
 
 from __future__ import annotations
