@@ -24,17 +24,10 @@ from .step import Setup, forward_loss
 
 
 @torch.no_grad()
-def heldout_loss(drafter, target, ds, heldout_idx: np.ndarray, buckets: np.ndarray, setup: Setup, seed: int,
-                 pad_id: int, rank: int, world_size: int) -> tuple[float | None, float | None]:
-    """Held-out (loss, acc) with the training loss weights and FIXED anchors (comparable across evals)."""
-    f = heldout_figures(drafter, target, ds, heldout_idx, buckets, setup, seed, pad_id, rank, world_size)
-    return f["loss"], f["acc"]
-
-
-@torch.no_grad()
 def heldout_figures(drafter, target, ds, heldout_idx: np.ndarray, buckets: np.ndarray, setup: Setup, seed: int,
                     pad_id: int, rank: int, world_size: int) -> dict:
-    """Held-out ``loss`` and weighted ``acc`` (as :func:`heldout_loss`), ``acc_by_position`` (top-1
+    """Held-out ``loss`` and weighted ``acc`` (the training loss weights, FIXED anchors: comparable across
+    evaluations), ``acc_by_position`` (top-1
     accuracy of the proposals at block positions 1..bs-1), ``accept_by_position`` and ``sim_tau``
     (module docstring); None where there is nothing to measure.
 

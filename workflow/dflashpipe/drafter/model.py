@@ -101,6 +101,13 @@ def default_target_layer_ids(num_target_layers: int, n: int = 5) -> list[int]:
     return sorted(set(ids))
 
 
+def resolve_layer_types(num_layers: int, sliding_window: int | None, layer_types: list[str] | None) -> list[str]:
+    """Per-layer attention types: as given, else all sliding when a window is set, else all full."""
+    if layer_types is not None:
+        return list(layer_types)
+    return ["sliding_attention" if sliding_window else "full_attention"] * int(num_layers)
+
+
 def _rope_theta_of(target_config) -> float:
     """rope_theta of an HF config: ``rope_parameters`` (transformers 5) or top level."""
     params = getattr(target_config, "rope_parameters", None)
@@ -150,10 +157,7 @@ class DrafterConfig:
         if not self.target_layer_ids:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        if self.layer_types is None:
-            kind = "sliding_attention" if self.sliding_window else "full_attention"
-            self.layer_types = [kind] * int(self.num_hidden_layers)
-        self.layer_types = list(self.layer_types)
+        self.layer_types = resolve_layer_types(self.num_hidden_layers, self.sliding_window, self.layer_types)
         self.validate()
 
     def window_of(self, layer: int) -> int | None:

@@ -27,6 +27,7 @@ from .distributed import all_reduce_
 from .features import compiled_target_layer, context_features
 from .loss import EAGER_CE, ChunkCE, Objective, block_loss, compiled_chunk_ce, selector_loss
 from .masks import block_mask, block_position_ids, build_block_inputs, default_gamma, dense_mask, dpace_weights
+from .model import resolve_layer_types
 
 
 @dataclass
@@ -78,7 +79,7 @@ def resolve_setup(cfg, device: str, mask_token_id: int, layer_ids: list[int], wo
     cap = cfg.final_logit_softcapping if dflash2 else None
     objective = Objective(loss=cfg.loss, tv_weight=cfg.tv_weight, multiplier=cfg.output_multiplier if dflash2 else 1.0,
                           cap=float(cap) if cap else None)
-    layer_types = cfg.layer_types or ["sliding_attention" if cfg.sliding_window else "full_attention"] * cfg.num_layers
+    layer_types = resolve_layer_types(cfg.num_layers, cfg.sliding_window, cfg.layer_types)
     return Setup(
         device=dev,
         attention=attention,
