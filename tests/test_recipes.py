@@ -188,6 +188,37 @@ def test_selector_loss_trains_selector_and_drafter_and_forces_the_target_in():
     torch.testing.assert_close(got, ce * w[r], rtol=1e-5, atol=1e-6)
 
 
+def test_block_loss_hands_the_selector_its_candidates_and_the_teachers_argmax():
+    """The training step runs the LM head once per row for the drafter (and once for the teacher):
+    the selector's top-k and the target's greedy token come from block_loss's chunks, and give the
+    same loss and gradients as the selector computing them itself."""
+    torch.manual_seed(1)
+    cfg = dflash2_cfg()
+    sel = DFlashDrafter(cfg).candidate_selector
+    lm_head = torch.randn(V, H)
+    hidden = torch.randn(2, 8, H, requires_grad=True)
+    teacher = torch.randn(2, 8, H)
+    labels, prev = torch.randint(0, V, (2, 8)), torch.randint(0, V, (2, 8))
+    w = torch.rand(2, 8)
+    w[1, 2:5] = 0
+    obj = Objective(loss="kl", multiplier=cfg.output_multiplier, cap=cfg.final_logit_softcapping)
+    found = {"top_k": cfg.selector_top_k}
+    block_loss(hidden, lm_head, labels, w, 5, reduction="sum", objective=obj, teacher_hidden=teacher, collect=found)
+    keep = w > 0
+    assert torch.equal(found["teacher_argmax"][keep], (teacher @ lm_head.t()).argmax(-1)[keep])
+    assert torch.equal(found["teacher_argmax"][~keep], labels[~keep])
+    assert found["candidates"].shape == (2, 8, cfg.selector_top_k)
+    expected = found["teacher_argmax"]
+    h1 = hidden.detach().clone().requires_grad_()
+    a = selector_loss(sel, h1, lm_head, prev, expected, w, obj, chunk_size=5, candidates=found["candidates"])
+    a.backward()
+    h2 = hidden.detach().clone().requires_grad_()
+    b = selector_loss(sel, h2, lm_head, prev, expected, w, obj, chunk_size=5)
+    b.backward()
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(h1.grad, h2.grad)
+
+
 # -- losses -----------------------------------------------------------------------------
 
 

@@ -124,7 +124,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, labels, w, teacher_h, chunk_size, ce, obj, reweight):
+    def forward(ctx, h, weight, labels, w, teacher_h, chunk_size, ce, obj, reweight, collect):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if need_w and reweight is not None:
             raise ValueError("block_loss: a re-weighted loss (D-PACE) cannot train the LM head weight")
@@ -133,6 +133,11 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         row_correct = torch.empty(M, dtype=torch.float32, device=h.device)
         grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        top_k = collect.get("top_k", 0) if collect is not None else 0
+        if top_k:  # the logits' top k, for DFlash 2's selector loss (no second LM-head pass there)
+            collect["candidates"] = torch.empty(M, top_k, dtype=torch.long, device=h.device)
+        if collect is not None and teacher_h is not None:
+            collect["teacher_argmax"] = torch.empty(M, dtype=torch.long, device=h.device)
         for s in range(0, M, chunk_size):
             hc, yc = h[s : s + chunk_size].to(weight.dtype), labels[s : s + chunk_size]  # the LM head's dtype
             tc = teacher_h[s : s + chunk_size].to(weight.dtype) if teacher_h is not None else None
@@ -143,6 +148,10 @@ class _ChunkedLinearLoss(torch.autograd.Function):
             logits = hc @ weight.t()  # [c, V]
             lrow, crow, g = ce.fn(logits, yc, teacher, obj, need_h or need_w)
             row_loss[s : s + n], row_correct[s : s + n] = lrow[:n], crow[:n]
+            if top_k:  # the multiplier (> 0) and the soft cap are monotone: the raw logits' order is theirs
+                collect["candidates"][s : s + n] = logits[:n].topk(top_k, dim=-1).indices
+            if "teacher_argmax" in (collect or {}):
+                collect["teacher_argmax"][s : s + n] = teacher[:n].argmax(-1)
             del logits, teacher
             if g is not None:
                 g = g[:n]
@@ -172,7 +181,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
             gh = grad_h * grad_loss.to(grad_h.dtype)
         if need_w:
             gw = (saved.pop(0) * grad_loss).to(ctx.w_dtype)
-        return gh, gw, None, None, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None, None, None
 
 
 def block_loss(
@@ -186,6 +195,7 @@ def block_loss(
     objective: Objective = CE,
     teacher_hidden: torch.Tensor | None = None,
     reweight: Callable | None = None,
+    collect: dict | None = None,
 ):
     """Weighted loss and weighted top-1 accuracy of the drafter's predictions.
 
@@ -205,7 +215,10 @@ def block_loss(
     batch. ``ce``: how a chunk is reduced (eager by default;
     :func:`compiled_chunk_ce`). ``reweight``: see :class:`_ChunkedLinearLoss`; it gets
     the per-row losses of the rows with w > 0 and their indices into the flat
-    [B*Q] grid (``reweight(row_loss, idx) -> weights``).
+    [B*Q] grid (``reweight(row_loss, idx) -> weights``). ``collect`` (optional dict): filled with what
+    the chunks' logits already give, so no caller runs the LM head again: ``teacher_argmax`` [B, Q]
+    (the target's greedy token after each row, with a teacher; the label where w = 0) and, if it
+    holds ``top_k``, ``candidates`` [B, Q, top_k] (the drafter's top-k tokens; 0 where w = 0).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"block_loss: reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -223,7 +236,14 @@ def block_loss(
     teacher = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[idx] if objective.needs_teacher else None
     rows = (lambda row_loss: reweight(row_loss, idx)) if reweight is not None else None
     loss_sum, correct, loss_weight = _ChunkedLinearLoss.apply(h[idx], lm_head_weight, y[idx], w[idx], teacher,
-                                                              int(chunk_size), ce, objective, rows)
+                                                              int(chunk_size), ce, objective, rows, collect)
+    if collect is not None:  # back onto the [B, Q] grid of the inputs
+        grid = labels.shape
+        if "teacher_argmax" in collect:
+            collect["teacher_argmax"] = y.clone().index_copy_(0, idx, collect["teacher_argmax"]).view(grid)
+        if "candidates" in collect:
+            c = collect["candidates"]
+            collect["candidates"] = c.new_zeros(y.shape[0], c.shape[1]).index_copy_(0, idx, c).view(*grid, -1)
     if reduction == "sum":
         return loss_sum, correct, loss_weight
     return loss_sum / loss_weight.clamp(min=1e-12), correct / total
@@ -238,6 +258,7 @@ def selector_loss(
     weights: torch.Tensor,
     objective: Objective,
     chunk_size: int = 1024,
+    candidates: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """DFlash 2's candidate-selector objective: sum of w * CE over each position's top-k candidates.
 
@@ -249,8 +270,9 @@ def selector_loss(
     (scaled and capped as ``objective`` says; no gradient through the choice); a
     target token outside them replaces the k-th. The candidates' logits are
     recomputed from their LM-head rows, so the gradient reaches the drafter through
-    them and the selector, and no [rows, V] tensor is kept for the backward.
-    Returns the weighted sum (0-dim, fp32).
+    them and the selector, and no [rows, V] tensor is kept for the backward. ``candidates``
+    [B, Q, k]: the drafter's top-k already computed (:func:`block_loss`'s ``collect``); without it
+    the LM head runs here once more. Returns the weighted sum (0-dim, fp32).
     """
     H = hidden.shape[-1]
     w = weights.reshape(-1).float()
@@ -260,6 +282,7 @@ def selector_loss(
         return total
     h, prev, tgt, w = hidden.reshape(-1, H)[idx], previous.reshape(-1)[idx], target_tokens.reshape(-1)[idx], w[idx]
     k = selector.top_k
+    known = candidates.reshape(-1, candidates.shape[-1])[idx] if candidates is not None else None
 
     def transform(z):
         z = z.float() * objective.multiplier
@@ -268,7 +291,10 @@ def selector_loss(
     for s in range(0, h.shape[0], chunk_size):
         hc, tc = h[s : s + chunk_size], tgt[s : s + chunk_size]
         with torch.no_grad():
-            cand = transform(hc.to(lm_head_weight.dtype) @ lm_head_weight.t()).topk(k, dim=-1).indices  # [c, k]
+            if known is not None:
+                cand = known[s : s + chunk_size].clone()
+            else:
+                cand = transform(hc.to(lm_head_weight.dtype) @ lm_head_weight.t()).topk(k, dim=-1).indices  # [c, k]
             miss = (cand != tc[:, None]).all(-1)
             cand[miss, -1] = tc[miss]
             label = (cand == tc[:, None]).float().argmax(-1)

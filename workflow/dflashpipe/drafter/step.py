@@ -209,27 +209,18 @@ def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
         hidden = model(block_embeds, target_hidden, position_ids, attn)
     lm_head = target.get_output_embeddings().weight
     reweight = _dpace_reweight(weights, bs) if setup.position_weights == "dpace" else None
+    found = {"top_k": selector.top_k} if selector is not None else None  # what the LM head's chunks give on the way
     loss_sum, correct, loss_weight = block_loss(hidden, lm_head, labels, weights, setup.loss_chunk_size,
                                                 reduction="sum", ce=setup.chunk_ce, objective=obj,
-                                                teacher_hidden=teacher, reweight=reweight)
+                                                teacher_hidden=teacher, reweight=reweight, collect=found)
     if selector is not None:
         previous = batch.input_ids.gather(1, _rows_before_labels(batch.anchors, S, bs))  # position 1: the anchor
-        chosen = labels
-        if teacher is not None:
-            chosen = _teacher_argmax(teacher, lm_head, setup.loss_chunk_size)
+        chosen = found.get("teacher_argmax", labels)  # the target's own greedy token, with a teacher
         loss_sum = loss_sum + setup.selector_weight * selector_loss(
-            selector, hidden, lm_head, previous, chosen, weights, obj, setup.loss_chunk_size)
+            selector, hidden, lm_head, previous, chosen, weights, obj, setup.loss_chunk_size,
+            candidates=found["candidates"])
     mark("drafter_forward")
     return loss_sum, correct, loss_weight, weights.sum()
-
-
-@torch.no_grad()
-def _teacher_argmax(teacher: torch.Tensor, lm_head: torch.Tensor, chunk: int) -> torch.Tensor:
-    """The target's greedy token after each row, [B, Q], chunked through its LM head."""
-    flat = teacher.reshape(-1, teacher.shape[-1])
-    out = torch.cat([(flat[s : s + chunk].to(lm_head.dtype) @ lm_head.t()).argmax(-1)
-                     for s in range(0, flat.shape[0], chunk)])
-    return out.view(teacher.shape[:-1])
 
 
 def train_step(model, target, opt, batch, lr: float, setup: Setup, mark=_no_mark) -> dict:
