@@ -117,7 +117,7 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
     import torch.distributed as dist
 
     from dflashpipe.drafter.data import make_batch
-    from dflashpipe.drafter.distributed import data_parallel, gather, init_dist, sharded_adamw
+    from dflashpipe.drafter.distributed import data_parallel, gather, init_dist, adamw
     from dflashpipe.drafter.features import trim_unused_layers
     from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
     from dflashpipe.drafter.step import apply_compile_mode, resolve_setup, train_step
@@ -144,9 +144,9 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
     torch.manual_seed(0)
     drafter = DFlashDrafter(dcfg).to(dev).train()  # fp32 master weights, as the pipeline
     apply_compile_mode(setup, drafter)  # on the flex path: dense flex_attention calls raise
-    model = data_parallel(drafter)
-    if a.optimizer == "zero":
-        opt = sharded_adamw(model, 6e-4, 0.0, dev)
+    model = data_parallel(drafter, world)
+    if a.optimizer == "zero":  # the pipeline's: ZeRO-1 over K > 1 ranks, plain AdamW at K = 1
+        opt = adamw(model, 6e-4, 0.0, dev, world)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=6e-4, **({"fused": True} if cuda else {"foreach": True}))
 

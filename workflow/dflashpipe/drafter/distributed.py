@@ -1,7 +1,8 @@
 """Data parallelism with torch's own machinery: process group, DDP, ZeRO-1 AdamW.
 
 A run of K ranks is K processes (one per GPU, see :mod:`.launch`) that meet in
-a file rendezvous (NCCL on GPU, gloo on CPU; K=1 takes the same path):
+a file rendezvous (NCCL on GPU, gloo on CPU; K=1 too, for the step's all-reduces of a few
+scalars, but without DDP or ZeRO: the drafter and plain AdamW):
 
 * gradients: :class:`~torch.nn.parallel.DistributedDataParallel`, bucketed
   all-reduces launched as the backward produces each bucket's gradients, so
@@ -94,8 +95,12 @@ def gather(obj) -> list:
     return out
 
 
-def data_parallel(model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
-    """The drafter in DDP. Construction broadcasts rank 0's weights: every rank starts identical."""
+def data_parallel(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
+    """The drafter in DDP (K > 1; construction broadcasts rank 0's weights: every rank starts
+    identical); at K = 1 the drafter itself: one rank exchanges nothing, and DDP's buckets would
+    only cost memory and time."""
+    if world_size == 1:
+        return model
     return torch.nn.parallel.DistributedDataParallel(
         model,
         device_ids=None,  # single-device module: inputs are already on its device (the drafter has no buffers)
@@ -103,26 +108,36 @@ def data_parallel(model: torch.nn.Module) -> torch.nn.parallel.DistributedDataPa
     )
 
 
-def sharded_adamw(model: torch.nn.Module, lr: float, weight_decay: float, device: torch.device):
-    """AdamW with its state sharded over the ranks (ZeRO-1); fused on CUDA.
+def adamw(model: torch.nn.Module, lr: float, weight_decay: float, device: torch.device, world_size: int):
+    """The run's optimiser: plain AdamW at K = 1 (nothing to shard), else :func:`sharded_adamw`.
+    Both save and load the same consolidated state, so a run resumes at any K."""
+    if world_size > 1:
+        return sharded_adamw(model, lr, weight_decay, device)
+    return torch.optim.AdamW(_param_groups(model, weight_decay), lr=lr, **_kernel(device))
 
-    Weight decay applies to matrices only (projections, ``fc``), never to
-    RMSNorm weights.
-    """
-    from torch.distributed.optim import ZeroRedundancyOptimizer
 
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only (projections, ``fc``), never on RMSNorm weights."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [
+    return [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    kernel = {"fused": True} if device.type == "cuda" else {"foreach": True}
+
+
+def _kernel(device: torch.device) -> dict:
+    return {"fused": True} if device.type == "cuda" else {"foreach": True}
+
+
+def sharded_adamw(model: torch.nn.Module, lr: float, weight_decay: float, device: torch.device):
+    """AdamW with its state sharded over the ranks (ZeRO-1); fused on CUDA."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
     class ShardedAdamW(ZeroRedundancyOptimizer):  # torch's, loading a checkpoint without a second copy
         def load_state_dict(self, state_dict: dict) -> None:
             load_optimizer_state(self, state_dict)
 
-    return ShardedAdamW(groups, optimizer_class=torch.optim.AdamW, lr=lr, **kernel)
+    return ShardedAdamW(_param_groups(model, weight_decay), optimizer_class=torch.optim.AdamW, lr=lr, **_kernel(device))
 
 
 def load_optimizer_state(opt, full_state: dict) -> None:
@@ -149,5 +164,7 @@ def load_optimizer_state(opt, full_state: dict) -> None:
 
 def full_optimizer_state(opt) -> dict | None:
     """The consolidated optimiser state on rank 0 (None elsewhere); a collective: every rank calls it."""
+    if not hasattr(opt, "consolidate_state_dict"):  # K = 1: plain AdamW holds it all
+        return opt.state_dict()
     opt.consolidate_state_dict(to=0)
     return opt.state_dict() if dist.get_rank() == 0 else None

@@ -34,13 +34,13 @@ from dflashpipe.tracking import Tracker, check_available
 from .checkpoint import MetricsHistory, load_checkpoint, run_identity, save_checkpoint, save_final_state, start_run
 from .data import TRAIN_SALT, epoch_batches, heldout_split, make_batch, rank_slice, sample_seed
 from .distributed import (
+    adamw,
     broadcast_int,
     check_same_on_all_ranks,
     data_parallel,
     full_optimizer_state,
     gather,
     init_dist,
-    sharded_adamw,
 )
 from .features import trim_unused_layers
 from .heldout import heldout_figures
@@ -230,8 +230,8 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
     if state is not None:
         drafter.load_state_dict(state["model"])
         start_step, last = int(state["step"]), dict(state["last"])
-    model = data_parallel(drafter)  # broadcasts rank 0's weights: identical start everywhere
-    opt = sharded_adamw(model, cfg.lr, cfg.weight_decay, dev)
+    model = data_parallel(drafter, K)  # DDP broadcasts rank 0's weights: identical start everywhere
+    opt = adamw(model, cfg.lr, cfg.weight_decay, dev, K)
     if state is not None:
         opt.load_state_dict(state["optimizer"])
         _fused_steps_on_device(opt)
@@ -385,7 +385,7 @@ def _fmt(x) -> str:
 
 def _fused_steps_on_device(opt) -> None:
     """ZeRO's load moves AdamW's 0-dim ``step`` to the CPU; fused AdamW wants it on the parameter's device."""
-    if not opt.optim.defaults.get("fused"):
+    if not hasattr(opt, "optim") or not opt.optim.defaults.get("fused"):  # plain AdamW (K = 1) loads it in place
         return
     for p, s in opt.optim.state.items():
         if torch.is_tensor(s.get("step")):
