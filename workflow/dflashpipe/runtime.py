@@ -1,9 +1,12 @@
-"""What every pipeline job does first: log to its file, set threads, turn user errors into one line."""
+"""What every pipeline job does first: log to its file, set threads, turn user errors into one line,
+and show its progress bars on the console."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import re
 import sys
 import time
 
@@ -23,16 +26,62 @@ def set_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+# A job's progress lines reach the console at most this often (seconds), whatever its bars' rate.
+PROGRESS_EVERY_S = 10.0
+# A child process of a job (a training rank) finds the job's console here (an inherited descriptor).
+CONSOLE_ENV = "DFLASH_CONSOLE_FD"
+_console = None  # this job's console stream (the terminal Snakemake runs in)
+
+
+class _ConsoleProgress(io.TextIOBase):
+    """``sys.stderr`` of a job: everything goes to the log; a progress bar's update (tqdm writes
+    each one after a carriage return) is also shown on the console as one plain line, at most
+    every ``PROGRESS_EVERY_S`` seconds, prefixed with the job's name; a bar shown before is shown
+    again when it ends. Bars done within the interval (loading weights) stay in the log."""
+
+    def __init__(self, log, console, name: str):
+        self.log, self.console, self.name = log, console, name
+        self.shown, self.shown_bar = time.time(), None
+
+    def write(self, text: str) -> int:
+        n = self.log.write(text)
+        if self.console is not None and text.startswith("\r"):
+            line = re.sub(r"\|[^|]*\|", "", text.strip("\r\n ")).strip()  # the bar's glyphs out
+            bar = line.split(":")[0]
+            ended = re.search(r"\b100%", line) is not None and bar == self.shown_bar
+            if line and (ended or time.time() - self.shown >= PROGRESS_EVERY_S):
+                with contextlib.suppress(OSError, ValueError):
+                    print(f"  [{self.name}] {re.sub(r'  +', ' ', line)}", file=self.console, flush=True)
+                self.shown, self.shown_bar = time.time(), None if ended else bar
+        return n
+
+    def flush(self) -> None:
+        self.log.flush()
+
+    def fileno(self) -> int:
+        return self.log.fileno()
+
+
+def console_fd() -> int | None:
+    """The descriptor of this job's console, for a child process to show its progress on (or None)."""
+    return _console.fileno() if _console is not None else None
+
+
 @contextlib.contextmanager
 def job(log_path: str | None, threads: int = 1, name: str = "job"):
-    """Run a job body with stdout/stderr in ``log_path`` and one-line user errors.
+    """Run a job body with stdout/stderr in ``log_path``, progress on the console, one-line user errors.
 
     Output is redirected at the file-descriptor level, so warnings from C
-    extensions and tqdm bars land in the log too. A :class:`UserError` is
-    written to the log AND to the terminal's stderr as ``ERROR: ...``, then
-    the process exits with status 1 (no traceback wall).
+    extensions and tqdm bars land in the log too; the bars also show on the
+    console, one line per job every ``PROGRESS_EVERY_S`` seconds. A :class:`UserError`
+    is written to the log AND to the terminal's stderr as ``ERROR: ...``, then
+    the process exits with status 1 (no traceback wall). A training rank shows its
+    progress on the console of the job that started it (``CONSOLE_ENV``).
     """
+    global _console
     terminal = os.fdopen(os.dup(2), "w")
+    inherited = os.environ.pop(CONSOLE_ENV, None)
+    _console = os.fdopen(int(inherited), "w") if inherited else terminal
     if log_path:
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -41,6 +90,7 @@ def job(log_path: str | None, threads: int = 1, name: str = "job"):
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         os.close(log_fd)
+        sys.stderr = _ConsoleProgress(sys.stderr, _console, name)
     t0 = time.time()
 
     def log(msg: str) -> None:

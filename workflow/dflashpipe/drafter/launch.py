@@ -35,6 +35,7 @@ from pathlib import Path
 from dflashpipe.checkout import ENV as CODE_ENV
 from dflashpipe.checkout import planned_code
 from dflashpipe.errors import UserError
+from dflashpipe.runtime import CONSOLE_ENV, console_fd
 
 
 def _die_with_parent_fn():
@@ -171,9 +172,12 @@ def run_training(*, world_size: int, threads_per_rank: int, cfg: dict, tokenized
         for r in range(world_size):
             leases.append(lease_for_job(gpu_config, slot=r, gpus=world_size, set_env=False))
         log(f"leased slots 0..{world_size - 1}: {[lease.visible_devices or lease.device for lease in leases]}")
+        console = console_fd()  # rank 0 shows its progress bar on the job's console
+        show = {CONSOLE_ENV: str(console)} if console is not None else {}
         launch([[sys.executable, "-m", "dflashpipe.drafter.launch", str(r), arg] for r in range(world_size)], rank_logs,
-               log, envs=[lease.child_env() for lease in leases],
-               pass_fds=[() if lease.lease.fd is None else (lease.lease.fd,) for lease in leases])
+               log, envs=[{**lease.child_env(), **(show if r == 0 else {})} for r, lease in enumerate(leases)],
+               pass_fds=[(() if lease.lease.fd is None else (lease.lease.fd,)) + ((console,) if r == 0 and show else ())
+                         for r, lease in enumerate(leases)])
     finally:
         for lease in leases:
             lease.release()
