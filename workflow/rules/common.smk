@@ -2,6 +2,7 @@
 # rules' paths, input functions and params builders (dflashpipe.wiring).
 # Nothing here runs a stage; no stage script imports dflashpipe.wiring.
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +17,9 @@ from dflashpipe.wiring import Pipeline
 
 # the jobs (new Python processes) import this checkout's library, not an installed one
 pin_code(REPO / "workflow")
+# the jobs' OpenMP threads sleep while they wait instead of spinning: where other work shares the
+# cores (a laptop, two jobs at once), spinning threads made a training step 1.8x slower
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _config_source = ", ".join(str(f) for f in workflow.configfiles) or "config"
 try:
