@@ -150,18 +150,18 @@ def train_one(cfg: dict, target: str, tokenized: str, run: Path, device: str, lo
 
 
 def evaluate_one(cfg: dict, target: str, drafter: Path, prompts: dict, run: Path, device: str, log) -> dict:
-    from dflashpipe.evaluate.run import evaluate_dataset
+    from dflashpipe.evaluate.run import EvalSettings, evaluate_dataset
 
     ev = cfg["evaluate"]
+    settings = EvalSettings(max_new_tokens=ev["max_new_tokens"], temperature=0.0, num_prompts=ev["num_prompts"],
+                            methods=["dflash", "ar"], lossless="report", target_step=ev["target_step"], seed=cfg["seed"],
+                            chat_template_kwargs=cfg["expand"]["chat_template_kwargs"])
     out = {}
     for name, spec in cfg["datasets"].items():
         if spec["use"] != "eval":
             continue
         s = evaluate_dataset(target, str(drafter), str(prompts[name]), str(run / f"{name}.samples.parquet"),
-                             str(run / f"{name}.summary.json"), max_new_tokens=ev["max_new_tokens"], temperature=0.0,
-                             num_prompts=ev["num_prompts"], device=device, seed=cfg["seed"], methods=["dflash", "ar"],
-                             lossless="report", chat_template_kwargs=cfg["expand"]["chat_template_kwargs"],
-                             target_step=ev["target_step"], log=log)
+                             str(run / f"{name}.summary.json"), settings, device=device, log=log)
         out[name] = s
     return out
 

@@ -275,7 +275,7 @@ def test_evaluate_dataset_writes_samples_and_summary(micro, micro_target, tmp_pa
     from conftest import PROMPTS as PROMPT_DIR
     from conftest import read_jsonl_gz
     from dflashpipe.evaluate.ar_draft import ARDraftConfig, train_ar_draft
-    from dflashpipe.evaluate.run import evaluate_dataset
+    from dflashpipe.evaluate.run import EvalSettings, evaluate_dataset
 
     target, tok, drafter, cfg = micro
     save_drafter(drafter, cfg, tmp_path / "drafter", target.config)
@@ -290,7 +290,8 @@ def test_evaluate_dataset_writes_samples_and_summary(micro, micro_target, tmp_pa
     summary = evaluate_dataset(
         str(micro_target), str(tmp_path / "drafter"), str(tmp_path / "prompts.parquet"),
         str(tmp_path / "out" / "samples.parquet"), str(tmp_path / "out" / "summary.json"),
-        max_new_tokens=12, num_prompts=2, ar_draft_dir=str(tmp_path / "ar"), prompt_lookup_num_tokens=4, log=logs.append,
+        EvalSettings(max_new_tokens=12, num_prompts=2, prompt_lookup_num_tokens=4), ar_draft_dir=str(tmp_path / "ar"),
+        log=logs.append,
     )
     df = pd.read_parquet(tmp_path / "out" / "samples.parquet")
     assert sorted(df["method"].unique()) == ["ar", "assisted", "dflash", "hf_generate", "prompt_lookup"]
@@ -309,7 +310,7 @@ def test_evaluate_dataset_writes_samples_and_summary(micro, micro_target, tmp_pa
     assert summary["methods"]["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
     with pytest.raises(UserError, match="methods"):
         evaluate_dataset(str(micro_target), str(tmp_path / "drafter"), str(tmp_path / "prompts.parquet"),
-                         str(tmp_path / "s2.parquet"), str(tmp_path / "s2.json"), methods=["assisted"])
+                         str(tmp_path / "s2.parquet"), str(tmp_path / "s2.json"), EvalSettings(methods=["assisted"]))
 
 
 def test_evaluate_skips_unusable_prompts_and_keeps_a_failed_check(micro, micro_target, tmp_path, monkeypatch):
@@ -326,7 +327,7 @@ def test_evaluate_skips_unusable_prompts_and_keeps_a_failed_check(micro, micro_t
     out = tmp_path / "eval"
     args = (str(micro_target), str(tmp_path / "drafter"), str(tmp_path / "p.parquet"), str(out / "d.samples.parquet"),
             str(out / "d.summary.json"))
-    s = run.evaluate_dataset(*args, max_new_tokens=6, methods=["dflash", "ar"], log=lambda m: None)
+    s = run.evaluate_dataset(*args, run.EvalSettings(max_new_tokens=6, methods=["dflash", "ar"]), log=lambda m: None)
     assert s["n_prompts"] == 2 and s["skipped_prompts"] == {"skipped_empty_prompt": 1, "skipped_prompt_too_long": 1}
     assert set(pd.read_parquet(out / "d.samples.parquet")["id"]) == {"ok", "ok2"}
 
@@ -337,7 +338,8 @@ def test_evaluate_skips_unusable_prompts_and_keeps_a_failed_check(micro, micro_t
     for f in out.glob("d.*"):
         f.unlink()
     with pytest.raises(UserError, match=r"diverges from AR; samples and summary kept for inspection: .*failed/d\.samples\.parquet") as e:
-        run.evaluate_dataset(*args, max_new_tokens=6, methods=["dflash", "ar"], lossless="exact", log=lambda m: None)
+        run.evaluate_dataset(*args, run.EvalSettings(max_new_tokens=6, methods=["dflash", "ar"], lossless="exact"),
+                             log=lambda m: None)
     assert "\n" not in str(e.value)
     kept = json.loads((out / "failed/d.summary.json").read_text())
     assert kept["lossless"]["passed"] is False and len(pd.read_parquet(out / "failed/d.samples.parquet")) == 4
@@ -345,7 +347,7 @@ def test_evaluate_skips_unusable_prompts_and_keeps_a_failed_check(micro, micro_t
 
     pd.DataFrame({"id": ["e"], "prompt": [turns[1]], "reference": [None]}).to_parquet(tmp_path / "p.parquet")
     with pytest.raises(UserError, match=r"p.parquet: no prompt to evaluate \(1 rows; skipped \{'skipped_empty_prompt': 1\}\)"):
-        run.evaluate_dataset(*args, max_new_tokens=6, methods=["dflash", "ar"], log=lambda m: None)
+        run.evaluate_dataset(*args, run.EvalSettings(max_new_tokens=6, methods=["dflash", "ar"]), log=lambda m: None)
 
 
 @pytest.mark.parametrize("which", ["micro", "sharp"])

@@ -15,16 +15,6 @@ import pandas as pd  # noqa: E402
 from dflashpipe.atomic import atomic_path  # noqa: E402
 from dflashpipe.tables import SIMULATED  # noqa: E402
 
-METHOD_LABELS = {
-    "dflash": "DFlash",
-    "ar": "autoregressive (same harness)",
-    "hf_generate": "HF generate",
-    "prompt_lookup": "prompt lookup",
-    "assisted": "assisted (small AR draft)",
-    "hf_dflash": "transformers DFlash",
-}
-
-
 def _save(fig, path: str) -> None:
     if not fig.get_layout_engine():
         fig.tight_layout()
@@ -85,18 +75,22 @@ def compile_times(compile_csv: str, out_png: str) -> None:
     _save(fig, out_png)
 
 
-def tau_speedup(eval_csv: str, out_png: str) -> None:
-    """Bars per dataset and method: tokens per target forward (tau for DFlash) and decode speed-up over AR."""
+def tau_speedup(eval_csv: str, out_png: str, method_labels: dict[str, str]) -> None:
+    """Bars per dataset and method: tokens per target forward (tau for DFlash) and decode speed-up over AR.
+
+    ``method_labels``: method name -> legend label, in the order to draw them (the registry's,
+    :mod:`dflashpipe.evaluate.methods`, which the workflow passes as the job's params).
+    """
     df = pd.read_csv(eval_csv)
-    methods = [m for m in METHOD_LABELS if m in set(df["method"])]
+    methods = [m for m in method_labels if m in set(df["method"])]
     datasets = list(dict.fromkeys(df["dataset"]))
     fig, (ax_tau, ax_sp) = plt.subplots(1, 2, figsize=(12, 4.2))
     width = 0.8 / max(1, len(methods))
     for i, m in enumerate(methods):
         g = df[df["method"] == m].set_index("dataset").reindex(datasets)
         xs = [j + i * width for j in range(len(datasets))]
-        b1 = ax_tau.bar(xs, g["tokens_per_target_forward"], width, label=METHOD_LABELS[m])
-        b2 = ax_sp.bar(xs, g["speedup_vs_ar"], width, label=METHOD_LABELS[m])
+        b1 = ax_tau.bar(xs, g["tokens_per_target_forward"], width, label=method_labels[m])
+        b2 = ax_sp.bar(xs, g["speedup_vs_ar"], width, label=method_labels[m])
         ax_tau.bar_label(b1, fmt="%.2f", fontsize=7)
         ax_sp.bar_label(b2, fmt="%.2f", fontsize=7)
         if m == "dflash" and "simulated_tau" in g and g["simulated_tau"].notna().any():

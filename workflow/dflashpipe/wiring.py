@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dflashpipe.codedeps import script_closure
 from dflashpipe.config import canonical, compile_keys, result_params
+from dflashpipe.evaluate.methods import METHODS, needs_ar_draft
 
 
 class Paths:
@@ -230,13 +231,19 @@ class Pipeline:
     def train_rank_logs(self) -> list[str]:
         return [self.paths.log("train", f"rank{k}") for k in range(self.shards)]
 
-    # -- evaluation -------------------------------------------------------------------------
-    def evaluates_assisted(self) -> bool:
-        return "assisted" in self.config["evaluate"]["methods"]
+    # -- evaluation (the methods: dflashpipe.evaluate.methods) ---------------------------------
+    def needs_ar_draft(self) -> bool:
+        """Whether a listed evaluation method needs the small AR draft (then rule ar_draft trains it)."""
+        return needs_ar_draft(self.config["evaluate"]["methods"])
 
     def ar_draft_dir(self) -> list[str]:
-        """The assisted-generation peer's draft model, when that peer is evaluated."""
-        return [self.paths.ar_draft] if self.evaluates_assisted() else []
+        """The small AR draft model, when a listed evaluation method needs it."""
+        return [self.paths.ar_draft] if self.needs_ar_draft() else []
+
+    @staticmethod
+    def method_labels() -> dict[str, str]:
+        """The plots' legend label of every evaluation method, in the registry's order."""
+        return {m.name: m.label for m in METHODS}
 
     def eval_summaries(self) -> list[str]:
         return [self.paths.eval_summary(d) for d in self.datasets_for("eval")]

@@ -1,7 +1,7 @@
-if pipeline.evaluates_assisted():
+if pipeline.needs_ar_draft():
 
     rule ar_draft:
-        """A 1-layer autoregressive draft with the target's tokenizer: the assisted-generation peer."""
+        """A 1-layer autoregressive draft with the target's tokenizer, for the methods that need it (assisted)."""
         input:
             tokenized=paths.tokenized,
             target=pipeline.target_dir(),

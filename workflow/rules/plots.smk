@@ -66,5 +66,7 @@ rule plots:
         paths.log("plots", "plots"),
     conda:
         "../../envs/light.yaml"
+    params:
+        method_labels=pipeline.method_labels(),
     script:
         "../scripts/plots.py"

@@ -1,5 +1,3 @@
-from dataclasses import asdict
-
 from dflashpipe.config import settings
 from dflashpipe.evaluate.run import EvalSettings, evaluate_dataset
 from dflashpipe.lease import lease_for_job
@@ -15,10 +13,8 @@ with job(snakemake.log[0], threads=snakemake.threads, name=f"evaluate {snakemake
         snakemake.input.prompts,
         snakemake.output.samples,
         snakemake.output.summary,
-        **asdict(settings(EvalSettings, p.cfg)),
+        settings(EvalSettings, p.cfg, seed=p.seed, chat_template_kwargs=p.chat_template_kwargs),
         ar_draft_dir=snakemake.input.ar_draft[0] if snakemake.input.ar_draft else None,
         device=lease.device,
-        seed=p.seed,
-        chat_template_kwargs=p.chat_template_kwargs,
         log=log,
     )

@@ -3,7 +3,7 @@ from dflashpipe.runtime import job
 
 i, o = snakemake.input, snakemake.output
 with job(snakemake.log[0], name="plots"):
-    plots.tau_speedup(i.eval, o.tau)
+    plots.tau_speedup(i.eval, o.tau, snakemake.params.method_labels)
     plots.per_position(i.positions, o.positions)
     plots.histogram(i.histogram, o.histogram)
     plots.training_curves(i.training, o.loss, o.tokens)

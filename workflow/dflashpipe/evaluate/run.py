@@ -1,16 +1,8 @@
 """Evaluate a drafter on held-out prompts: DFlash, same-harness AR, and transformers' peers.
 
-Methods (all batch size 1, on the same target, prompts and decoding settings):
-
-* ``dflash``        DFlash speculative decoding (:mod:`.spec_decode`)
-* ``ar``            plain autoregressive decoding in the SAME harness: the speed-up denominator
-* ``hf_generate``   transformers ``generate``
-* ``prompt_lookup`` transformers prompt-lookup decoding
-* ``assisted``      transformers assisted generation with a small AR draft (only if one is given)
-* ``hf_dflash``     transformers' own DFlash speculative generation (``speculation_type="dflash"``) with
-                    the same drafter, loaded as its ``MuseGlimmerAssistantModel``; only when listed. Where
-                    the installed transformers lacks it (before 5.15) the method is skipped and the
-                    summary records why under ``skipped_methods``
+The methods are the entries of :mod:`.methods` (all batch size 1, on the same target, prompts and
+decoding settings); ``ar``, plain autoregressive decoding in this harness, always runs: it is the
+speed-up denominator and the lossless check's reference.
 
 Each method runs over all prompts in turn (method-major, so peak memory is per
 method). Before any timing, every method decodes the first prompt once, untimed
@@ -40,7 +32,7 @@ from dflashpipe.atomic import atomic_path, write_json
 from dflashpipe.errors import UserError
 
 from . import metrics as M
-from .baselines import assisted_generate, assistant_settings, hf_dflash_generate, hf_generate, prompt_lookup_generate
+from .methods import DEFAULT_METHODS, REFERENCE, Harness, Runner, Skip, select
 from .spec_decode import (
     ARDecoder,
     DecodeResult,
@@ -53,18 +45,37 @@ from .spec_decode import (
     target_runner,
 )
 
-METHODS = ("dflash", "ar", "hf_generate", "prompt_lookup", "assisted", "hf_dflash")
-#: what runs when no methods are given (``hf_dflash`` only when asked for)
-DEFAULT_METHODS = ("dflash", "ar", "hf_generate", "prompt_lookup", "assisted")
-
 
 @dataclass
 class EvalSettings:
-    """The config's ``evaluate`` section as :func:`evaluate_dataset` takes it (``**asdict``).
+    """How :func:`evaluate_dataset` evaluates: the config's ``evaluate`` section, and a few more.
 
-    Defaults are the schema's (tests/test_config.py checks they agree).
+    The first fields are the ``evaluate`` section's keys (defaults: the schema's;
+    tests/test_config.py checks they agree): ``settings(EvalSettings, cfg["evaluate"], ...)``.
+
+    ``methods``: names from :mod:`.methods` (empty: its defaults, less those whose model is not
+    given). ``lossless`` (greedy only): ``"exact"`` (DFlash must equal AR token for token),
+    ``"ties"`` (as exact, except divergences at numerical near-ties of the target's logits;
+    tolerance ``tie_tolerance``, default :func:`default_tie_tolerance` of the dtype) or
+    ``"report"`` (as ties, but never fails). ``target_step``: how the DFlash and AR loops run the
+    target (:data:`.spec_decode.TARGET_STEPS`): ``auto`` = a static KV cache with
+    CUDA-graph-captured steps on a GPU where the model's layout allows it, HF's ``DynamicCache``
+    otherwise; recorded in the summary.
+
+    ``seed`` (the config's top-level one: prompt i samples with ``seed + i``) and
+    ``chat_template_kwargs`` (``expand.chat_template_kwargs``: a drafter trained with thinking
+    off is evaluated with thinking off) come from other sections.
+
+    ``cudnn_sdpa=False`` turns PyTorch's cuDNN attention backend off while the evaluation runs
+    (restored afterwards): it builds an execution plan the first time it sees each (query
+    length, key length) pair. Seen on an H200 (torch 2.11, micro target, 3 prompts): the methods
+    that met new context lengths first (DFlash, AR) ran 6-8x slower than on a second pass while
+    the ones after them did not, an order bias no single warm-up prompt removes; with cuDNN
+    attention off the first pass was within about 2x (the rest is other first-use costs).
+    Flash / memory-efficient attention plan nothing per shape.
     """
 
+    # the config's `evaluate` section
     num_prompts: int | None = 50
     max_new_tokens: int = 256
     temperature: float = 0.0
@@ -72,6 +83,13 @@ class EvalSettings:
     prompt_lookup_num_tokens: int = 10
     lossless: str = "ties"
     target_step: str = "auto"
+    # from other sections of the config
+    seed: int = 0
+    chat_template_kwargs: dict = field(default_factory=dict)
+    # not in the config
+    tie_tolerance: float | None = None
+    warmup: bool = True
+    cudnn_sdpa: bool = False
 
 
 def _peak_memory_reset(device: torch.device) -> None:
@@ -172,133 +190,115 @@ def evaluate_dataset(
     prompts_parquet: str,
     samples_out: str,
     summary_out: str,
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    num_prompts: int | None = None,
+    settings: EvalSettings | None = None,
+    *,
     ar_draft_dir: str | None = None,
-    prompt_lookup_num_tokens: int = 10,
     device: str = "cpu",
     dtype: torch.dtype | None = None,
-    seed: int = 0,
-    methods: tuple[str, ...] | list[str] | None = None,
-    lossless: str = "ties",
-    tie_tolerance: float | None = None,
-    warmup: bool = True,
-    chat_template_kwargs: dict | None = None,
-    cudnn_sdpa: bool = False,
-    target_step: str = "auto",
     log=print,
 ) -> dict:
-    """Run every method on the first ``num_prompts`` prompts; write per-sample parquet and summary JSON atomically.
+    """Run every method on the first ``settings.num_prompts`` prompts; write per-sample parquet and summary JSON atomically.
 
-    ``lossless`` (greedy only): ``"exact"`` (DFlash must equal AR token for
-    token), ``"ties"`` (as exact, except divergences at numerical near-ties of
-    the target's logits; tolerance ``tie_tolerance``, default
-    :func:`default_tie_tolerance` of the dtype) or ``"report"`` (as ties, but
-    never fails). A failure raises a :class:`UserError` naming the prompt, after
-    the outputs are written. ``methods``: subset of :data:`METHODS`
-    (``assisted`` needs ``ar_draft_dir``). Returns the summary dict.
-
-    ``cudnn_sdpa=False`` turns PyTorch's cuDNN attention backend off while this
-    runs (restored afterwards): it builds an execution plan the first time it
-    sees each (query length, key length) pair. Seen on an H200 (torch 2.11,
-    micro target, 3 prompts): the methods that met new context lengths first
-    (DFlash, AR) ran 6-8x slower than on a second pass while the ones after
-    them did not, an order bias no single warm-up prompt removes; with cuDNN
-    attention off the first pass was within about 2x (the rest is other
-    first-use costs). Flash / memory-efficient attention plan nothing per shape.
-
-    ``target_step``: how the DFlash and AR loops run the target (:data:`TARGET_STEPS`):
-    ``auto`` = a static KV cache with CUDA-graph-captured steps on a GPU where the
-    model's layout allows it, HF's ``DynamicCache`` otherwise; recorded in the summary.
+    ``ar_draft_dir``: the small AR draft model, for the methods that need it (``assisted``).
+    ``dtype``: default bfloat16 on CUDA, float32 on the CPU. A failed lossless check raises a
+    :class:`UserError` naming the prompt, after the outputs are written. Returns the summary dict.
     """
+    s = settings or EvalSettings()
     dev = torch.device(device)
     cudnn_before = torch.backends.cuda.cudnn_sdp_enabled()
-    if dev.type == "cuda" and not cudnn_sdpa:
+    if dev.type == "cuda" and not s.cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
     try:
-        return _evaluate(
-            target_dir, drafter_dir, prompts_parquet, samples_out, summary_out, max_new_tokens, temperature, num_prompts,
-            ar_draft_dir, prompt_lookup_num_tokens, dev, dtype, seed, methods, lossless, tie_tolerance, warmup,
-            chat_template_kwargs, target_step, log,
-        )
+        return _evaluate(target_dir, drafter_dir, prompts_parquet, samples_out, summary_out, s, ar_draft_dir, dev, dtype, log)
     finally:
         torch.backends.cuda.enable_cudnn_sdp(cudnn_before)
 
 
-def _evaluate(
-    target_dir, drafter_dir, prompts_parquet, samples_out, summary_out, max_new_tokens, temperature, num_prompts,
-    ar_draft_dir, prompt_lookup_num_tokens, dev, dtype, seed, methods, lossless, tie_tolerance, warmup,
-    chat_template_kwargs, target_step, log,
-) -> dict:
-    from tqdm import tqdm
-
-    from dflashpipe.data import read_prompts, screen_prompt, target_context
+def _evaluate(target_dir, drafter_dir, prompts_parquet, samples_out, summary_out, s: EvalSettings, ar_draft_dir, dev, dtype, log) -> dict:
     from dflashpipe.drafter.export import load_drafter
     from dflashpipe.target import describe_target, load_target
 
-    if max_new_tokens < 1:
-        raise UserError(f"evaluate.max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise UserError(f"evaluate.temperature must be >= 0, got {temperature}")
-    if lossless not in ("exact", "ties", "report"):
-        raise UserError(f"evaluate.lossless must be 'exact', 'ties' or 'report', got {lossless!r}")
-    methods = list(methods or [m for m in DEFAULT_METHODS if m != "assisted" or ar_draft_dir])
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise UserError(f"evaluate.methods: unknown {unknown}; choose from {list(METHODS)}")
-    if "assisted" in methods and not ar_draft_dir:
-        raise UserError("evaluate.methods includes 'assisted' but no AR draft model directory is given")
-    if "ar" not in methods:
-        methods.insert(0, "ar")  # the speed-up denominator and the lossless reference
-    methods.sort(key=METHODS.index)
-    skipped_methods = {}
-    if "hf_dflash" in methods:
-        from dflashpipe.drafter.hf_assistant import unavailable_reason
-
-        reason = unavailable_reason()
-        if reason:
-            skipped_methods["hf_dflash"] = reason
-            methods.remove("hf_dflash")
-            log(f"skipping method hf_dflash: {reason}")
-
+    if s.max_new_tokens < 1:
+        raise UserError(f"evaluate.max_new_tokens must be >= 1, got {s.max_new_tokens}")
+    if s.temperature < 0:
+        raise UserError(f"evaluate.temperature must be >= 0, got {s.temperature}")
+    if s.lossless not in ("exact", "ties", "report"):
+        raise UserError(f"evaluate.lossless must be 'exact', 'ties' or 'report', got {s.lossless!r}")
+    methods = select(s.methods, ar_draft_given=bool(ar_draft_dir))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"evaluate.device is {str(dev)!r} but CUDA is not available")
+
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     target, tok = load_target(target_dir, device=str(dev), dtype=dtype)
     drafter, dcfg = load_drafter(drafter_dir, device=dev, dtype=dtype)
     eos = eos_ids_of(tok, target)
     if not eos:
         raise UserError(f"{target_dir}: neither the tokenizer nor the generation config names an eos token")
-    assistant = None
-    if "assisted" in methods:
-        from transformers import AutoModelForCausalLM
+    ids, encoded, skipped = _read_prompts(prompts_parquet, tok, target, dcfg.block_size, s, log)
 
-        try:
-            assistant = AutoModelForCausalLM.from_pretrained(ar_draft_dir, dtype=dtype).to(dev).eval().requires_grad_(False)
-        except Exception as err:
-            raise UserError(f"evaluate.ar_draft: cannot load a causal LM from {ar_draft_dir}: {str(err).splitlines()[0]}") from None
+    # the static step needs its cache's size up front: the longest prompt, the reply and one verify block
+    capacity = max(len(e) for e in encoded) + s.max_new_tokens + 2 * dcfg.block_size
+    verify = target_runner(target, s.target_step, dcfg.target_layer_ids, capacity, graph_sizes=(dcfg.block_size,))
+    dflash = DFlashDecoder(target, drafter, dcfg, eos, runner=verify,
+                           draft_runner=drafter_runner(drafter, verify, s.target_step, capacity))
+    ar_dec = ARDecoder(target, eos, runner=target_runner(target, s.target_step, None, capacity, graph_sizes=(1,)))
+    harness = Harness(settings=s, target=target, tokenizer=tok, eos=eos, drafter_dir=drafter_dir, drafter_cfg=dcfg,
+                      ar_draft_dir=ar_draft_dir, device=dev, dtype=dtype, dflash=dflash, ar=ar_dec)
+    runners, skipped_methods = _start(methods, harness, log)
+    log(
+        f"evaluate: {len(ids)} prompts, max_new_tokens {s.max_new_tokens}, temperature {s.temperature}, block size "
+        f"{dcfg.block_size}, methods {list(runners)}, device {dev}, dtype {str(dtype).removeprefix('torch.')}"
+    )
+    log(f"target step: {dflash.target.mode}, drafter step: {dflash.draft.mode} (evaluate.target_step: {s.target_step})")
+    results, measured = _decode_all(runners, encoded, s, dev, log)
 
-    hf_assistant = None
-    if "hf_dflash" in methods:
-        from dflashpipe.drafter.hf_assistant import load_hf_assistant, unsupported_reason
+    ar = results[REFERENCE]
+    rows = [_row(pid, m, results[m][i], ar[i], tok) for m in runners for i, pid in enumerate(ids)]
+    summary = {
+        "target": describe_target(target_dir),
+        "drafter": {"path": str(drafter_dir), **{k: v for k, v in dcfg.to_dict().items() if k in ("block_size", "num_hidden_layers", "target_layer_ids", "mask_token_id")}},
+        "prompts": str(prompts_parquet),
+        "n_prompts": len(ids),
+        "skipped_prompts": dict(skipped),
+        # one setting (expand.chat_template_kwargs) for expansion, tokenization and evaluation: a drafter
+        # trained with thinking off is evaluated with thinking off
+        "chat_template_kwargs": dict(s.chat_template_kwargs or {}),
+        "max_new_tokens": s.max_new_tokens,
+        "temperature": s.temperature,
+        "seed": s.seed,
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled() if dev.type == "cuda" else None,
+        # how the DFlash and AR loops ran the target: static+cuda_graphs, static or dynamic (DynamicCache)
+        "target_step": dflash.target.mode,
+        "drafter_step": dflash.draft.mode,
+        "torch": torch.__version__,
+        "warmup": "each method decoded the first prompt once, untimed, before any timing" if s.warmup else None,
+        "timing": "decode only: from the first output token (produced by the prefill forward) to the last; "
+        "speed-up = AR time per decode token / method time per decode token, AR = same-harness autoregressive",
+        "methods": {
+            m: _summarise(m, results[m], ar, dcfg.block_size, {**runners[m].summary, **measured[m]}) for m in runners
+        },
+        # listed in evaluate.methods but not run, with the reason (e.g. hf_dflash on an older transformers)
+        "skipped_methods": skipped_methods,
+    }
+    summary["lossless"], failure = _lossless(s, ids, encoded, results, target, dtype, log)
+    return _write(rows, summary, samples_out, summary_out, failure, keep_failed=s.lossless != "report")
 
-        reason = unsupported_reason(dcfg)  # e.g. a DFlash 2 drafter: transformers runs plain DFlash only
-        if reason:
-            skipped_methods["hf_dflash"] = reason
-            methods.remove("hf_dflash")
-            log(f"skipping method hf_dflash: {reason}")
-        else:
-            hf_assistant = load_hf_assistant(drafter_dir, device=dev, dtype=dtype)
+
+def _read_prompts(prompts_parquet, tok, target, block_size: int, s: EvalSettings, log) -> tuple[list[str], list[list[int]], Counter]:
+    """The first ``s.num_prompts`` usable prompts: their ids, their encodings, and why the others were skipped."""
+    from dflashpipe.data import read_prompts, screen_prompt, target_context
 
     df = read_prompts(prompts_parquet)
     # every method must decode max_new_tokens (plus one verify block) within the target's context
-    context, reserve = target_context(target), max_new_tokens + dcfg.block_size
+    context, reserve = target_context(target), s.max_new_tokens + block_size
     keep, encoded, skipped = [], [], Counter()
     for i, turns in enumerate(df["prompt"]):
-        if num_prompts is not None and len(keep) >= int(num_prompts):
+        if s.num_prompts is not None and len(keep) >= int(s.num_prompts):
             break
-        ids_ = encode_prompt(tok, turns, chat_template_kwargs)
+        ids_ = encode_prompt(tok, turns, s.chat_template_kwargs)
         reason = screen_prompt(turns, len(ids_), context, reserve)
         if reason:
             skipped[reason] += 1
@@ -312,126 +312,85 @@ def _evaluate(
             f"{prompts_parquet}: no prompt to evaluate ({len(df)} rows; skipped {dict(skipped)}): prompts must be "
             f"non-empty and fit the target's context ({context}) with evaluate.max_new_tokens + block size ({reserve})"
         )
-    ids = [str(df["id"].iloc[i]) for i in keep]
-    log(
-        f"evaluate: {len(ids)} prompts, max_new_tokens {max_new_tokens}, temperature {temperature}, block size "
-        f"{dcfg.block_size}, methods {methods}, device {dev}, dtype {str(dtype).removeprefix('torch.')}"
-    )
+    return [str(df["id"].iloc[i]) for i in keep], encoded, skipped
 
-    # the static step needs its cache's size up front: the longest prompt, the reply and one verify block
-    capacity = max(len(e) for e in encoded) + max_new_tokens + 2 * dcfg.block_size
-    verify = target_runner(target, target_step, dcfg.target_layer_ids, capacity, graph_sizes=(dcfg.block_size,))
-    dflash = DFlashDecoder(target, drafter, dcfg, eos, runner=verify,
-                           draft_runner=drafter_runner(drafter, verify, target_step, capacity))
-    ar_dec = ARDecoder(target, eos, runner=target_runner(target, target_step, None, capacity, graph_sizes=(1,)))
-    log(f"target step: {dflash.target.mode}, drafter step: {dflash.draft.mode} (evaluate.target_step: {target_step})")
-    runners = {
-        "dflash": lambda p, n, s: dflash.generate(p, n, temperature, s),
-        "ar": lambda p, n, s: ar_dec.generate(p, n, temperature, s),
-        "hf_generate": lambda p, n, s: hf_generate(target, tok, p, n, temperature, s, eos),
-        "prompt_lookup": lambda p, n, s: prompt_lookup_generate(target, tok, p, n, temperature, s, eos, num_tokens=prompt_lookup_num_tokens),
-        "assisted": lambda p, n, s: assisted_generate(target, tok, assistant, p, n, temperature, s, eos),
-        "hf_dflash": lambda p, n, s: hf_dflash_generate(target, tok, hf_assistant, p, n, temperature, s, eos),
-    }
-    extras = {m: {} for m in methods}
-    if "prompt_lookup" in methods:
-        extras["prompt_lookup"] = {"prompt_lookup_num_tokens": prompt_lookup_num_tokens}
-    if assistant is not None:
-        extras["assisted"] = {"assistant": assistant_settings(assistant), "assistant_parameters": sum(p.numel() for p in assistant.parameters())}
-    if hf_assistant is not None:
-        import transformers
 
-        extras["hf_dflash"] = {
-            "assistant": type(hf_assistant).__name__,
-            "speculation_type": "dflash",
-            "transformers": transformers.__version__,
-            "tau_convention": "tau_mean/tau_pooled: tokens per verify forward that reach the output (as for dflash)",
-        }
-
-    if warmup:
-        for method in methods:
-            runners[method](encoded[0], max_new_tokens, seed)
-    results: dict[str, list[DecodeResult]] = {}
+def _start(methods, harness: Harness, log) -> tuple[dict[str, Runner], dict[str, str]]:
+    """Each method's runner (registry order), and the reasons of those that cannot run here."""
+    runners, skipped = {}, {}
     for method in methods:
-        run = runners[method]
+        try:
+            runners[method.name] = method.start(harness)
+        except Skip as why:
+            skipped[method.name] = str(why)
+            log(f"skipping method {method.name}: {why}")
+    return runners, skipped
+
+
+def _decode_all(runners: dict[str, Runner], encoded, s: EvalSettings, dev, log) -> tuple[dict[str, list[DecodeResult]], dict[str, dict]]:
+    """Every method over every prompt, method by method (after one untimed warm-up decode each);
+    the results, and each method's peak memory and wall time."""
+    from tqdm import tqdm
+
+    if s.warmup:
+        for runner in runners.values():
+            runner.decode(encoded[0], s.max_new_tokens, s.seed)
+    results, measured = {}, {}
+    for method, runner in runners.items():
         _peak_memory_reset(dev)
         t0 = time.time()
         out = []
-        bar = tqdm(range(len(ids)), desc=f"evaluate {method}", mininterval=5)
+        bar = tqdm(range(len(encoded)), desc=f"evaluate {method}", mininterval=5)
         for i in bar:
-            r = run(encoded[i], max_new_tokens, seed + i)
+            r = runner.decode(encoded[i], s.max_new_tokens, s.seed + i)
             out.append(r)
             tok_s = sum(x.decode_tokens for x in out) / max(1e-9, sum(x.decode_s for x in out))
             bar.set_postfix(tau=f"{M.tau_pooled([x.committed for x in out]):.2f}", tok_s=f"{tok_s:.1f}", refresh=False)
         results[method] = out
-        extras[method].update(_peak_memory(dev))
-        extras[method]["wall_s"] = time.time() - t0
+        measured[method] = {**_peak_memory(dev), "wall_s": time.time() - t0}
         log(
             f"{method}: {sum(r.new_tokens for r in out)} tokens, tau {M.tau_pooled([r.committed for r in out]):.3f} (pooled), "
             f"{M.tokens_per_second(sum(r.decode_tokens for r in out), sum(r.decode_s for r in out)):.1f} decode tok/s"
         )
+    return results, measured
 
-    ar = results["ar"]
-    rows = [_row(pid, m, results[m][i], ar[i], tok) for m in methods for i, pid in enumerate(ids)]
-    summary = {
-        "target": describe_target(target_dir),
-        "drafter": {"path": str(drafter_dir), **{k: v for k, v in dcfg.to_dict().items() if k in ("block_size", "num_hidden_layers", "target_layer_ids", "mask_token_id")}},
-        "prompts": str(prompts_parquet),
+
+def _lossless(s: EvalSettings, ids, encoded, results, target, dtype, log) -> tuple[dict, UserError | None]:
+    """The summary's ``lossless`` entry, and the failure of the check (None when it passed or did not run)."""
+    if not (s.temperature == 0 and "dflash" in results):
+        return {"checked": False, "reason": "sampling (temperature > 0)" if s.temperature > 0 else "dflash not run"}, None
+    ar = results[REFERENCE]
+    tol = float(s.tie_tolerance) if s.tie_tolerance is not None else default_tie_tolerance(dtype)
+
+    def near_tie(i, pos, d_tok, a_tok):
+        g = logit_gap(target, encoded[i], ar[i].tokens[:pos], a_tok, d_tok)
+        rel = abs(g["gap"]) / g["scale"]
+        return {**g, "relative_gap": rel} if rel <= tol else None
+
+    info = {
+        "checked": True,
+        "mode": s.lossless,
+        "tie_tolerance": tol if s.lossless != "exact" else None,
         "n_prompts": len(ids),
-        "skipped_prompts": dict(skipped),
-        # one setting (expand.chat_template_kwargs) for expansion, tokenization and evaluation: a drafter
-        # trained with thinking off is evaluated with thinking off
-        "chat_template_kwargs": dict(chat_template_kwargs or {}),
-        "max_new_tokens": max_new_tokens,
-        "temperature": temperature,
-        "seed": seed,
-        "device": str(dev),
-        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "dtype": str(dtype).removeprefix("torch."),
-        "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled() if dev.type == "cuda" else None,
-        # how the DFlash and AR loops ran the target: static+cuda_graphs, static or dynamic (DynamicCache)
-        "target_step": dflash.target.mode,
-        "drafter_step": dflash.draft.mode,
-        "torch": torch.__version__,
-        "warmup": "each method decoded the first prompt once, untimed, before any timing" if warmup else None,
-        "timing": "decode only: from the first output token (produced by the prefill forward) to the last; "
-        "speed-up = AR time per decode token / method time per decode token, AR = same-harness autoregressive",
-        "methods": {m: _summarise(m, results[m], ar, dcfg.block_size, extras[m]) for m in methods},
-        # listed in evaluate.methods but not run, with the reason (e.g. hf_dflash on an older transformers)
-        "skipped_methods": skipped_methods,
+        "exact_matches": sum(d.tokens == a.tokens for d, a in zip(results["dflash"], ar)),
     }
+    try:
+        excused = check_lossless(ids, results["dflash"], ar, near_tie if s.lossless != "exact" else None)
+    except UserError as err:
+        info.update(passed=False, error=str(err))
+        log(f"WARNING: {err}")
+        return info, err
+    info.update(passed=True, near_tie_divergences=excused)
+    if excused:
+        log(f"lossless: {len(excused)} greedy divergence(s) at numerical near-ties of the target's logits (excused)")
+    return info, None
 
-    failure = None
-    if temperature == 0 and "dflash" in results:
-        tol = float(tie_tolerance) if tie_tolerance is not None else default_tie_tolerance(dtype)
 
-        def near_tie(i, pos, d_tok, a_tok):
-            g = logit_gap(target, encoded[i], ar[i].tokens[:pos], a_tok, d_tok)
-            rel = abs(g["gap"]) / g["scale"]
-            return {**g, "relative_gap": rel} if rel <= tol else None
-
-        info = {
-            "checked": True,
-            "mode": lossless,
-            "tie_tolerance": tol if lossless != "exact" else None,
-            "n_prompts": len(ids),
-            "exact_matches": sum(d.tokens == a.tokens for d, a in zip(results["dflash"], ar)),
-        }
-        try:
-            excused = check_lossless(ids, results["dflash"], ar, near_tie if lossless != "exact" else None)
-            info.update(passed=True, near_tie_divergences=excused)
-            if excused:
-                log(f"lossless: {len(excused)} greedy divergence(s) at numerical near-ties of the target's logits (excused)")
-        except UserError as err:
-            failure = err
-            info.update(passed=False, error=str(err))
-            log(f"WARNING: {err}")
-        summary["lossless"] = info
-    else:
-        summary["lossless"] = {"checked": False, "reason": "sampling (temperature > 0)" if temperature > 0 else "dflash not run"}
-
+def _write(rows, summary: dict, samples_out, summary_out, failure: UserError | None, keep_failed: bool) -> dict:
+    """Write the samples and the summary; on a failure to keep, under ``failed/`` instead, then raise it."""
     kept = Path(summary_out).parent / "failed"
-    if failure is not None and lossless != "report":
+    failed = failure is not None and keep_failed
+    if failed:
         # the job fails and Snakemake removes its outputs: keep what is needed to inspect the failure
         samples_out, summary_out = kept / Path(samples_out).name, kept / Path(summary_out).name
     else:  # a failure kept by an earlier run is out of date now
@@ -440,6 +399,6 @@ def _evaluate(
     with atomic_path(samples_out) as tmp:
         pd.DataFrame(rows).to_parquet(tmp, index=False)
     write_json(summary_out, summary)
-    if failure is not None and lossless != "report":
+    if failed:
         raise UserError(f"{failure}; samples and summary kept for inspection: {samples_out}, {summary_out}")
     return summary
