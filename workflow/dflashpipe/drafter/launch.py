@@ -152,7 +152,7 @@ def run_training(*, world_size: int, threads_per_rank: int, cfg, tokenized: str,
     from .checkpoint import checkpoint_dir, mark_complete, run_identity
     from .distributed import rendezvous_url
 
-    check_available(cfg)  # a tracker asked for but not installed: one line before any lease
+    check_available(cfg.tensorboard, cfg.wandb)  # a tracker asked for but not installed: one line before any lease
     identity = run_identity(cfg, tokenized, target)  # once: every rank keys the same run
     ckpt = checkpoint_dir(run_dir, identity)
     spec = {

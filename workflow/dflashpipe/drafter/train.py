@@ -177,7 +177,7 @@ def train_rank(cfg: TrainConfig, tokenized_dir: str, target_dir: str, ckpt_dir: 
     forbids compiles from then on. ``identity``: the run identity the launcher keyed
     ``ckpt_dir`` with (computed here if not given).
     """
-    check_available(cfg)  # a tracker asked for but not installed: one line before anything starts
+    check_available(cfg.tensorboard, cfg.wandb)  # a tracker asked for but not installed: one line before anything starts
     dev = resolve_device(device)
     t_start = time.time()
     init_dist(init_method, rank, world_size, dev, cfg.dist_timeout_s)
@@ -251,7 +251,8 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
 
     # -- the loop ------------------------------------------------------------------
     history = MetricsHistory(ckpt_dir, start_step, writer=rank == 0, log=log)
-    tracker = Tracker(cfg, ckpt_dir, identity, start_step, enabled=rank == 0, log=log)  # TensorBoard / W&B
+    tracker = Tracker(ckpt_dir, identity, start_step, enabled=rank == 0, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
+                      wandb_project=cfg.wandb_project, log=log)  # TensorBoard / W&B
     bar = tqdm(total=total_steps, initial=start_step, desc=f"train rank {rank}/{K}", mininterval=5)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
