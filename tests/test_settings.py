@@ -103,6 +103,12 @@ def test_schema_settings_take_the_schema_defaults_and_refuse_fields_it_lacks():
         class Nope:
             learning_rate: float
 
+    with pytest.raises(TypeError, match=r"Both.lr: a key of more than one"):
+
+        @schema_settings("target.tiny", "ar_draft")
+        class Both:
+            lr: float
+
 
 def test_settings_refuse_a_key_they_do_not_take(tmp_path):
     from conftest import mini_config

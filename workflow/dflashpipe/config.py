@@ -124,11 +124,14 @@ def schema_settings(*sections: str):
     """
 
     def wrap(cls):
-        schemas = [_section_schema(s)["properties"] for s in sections] + [load_schema()["properties"]]
+        schemas = [_section_schema(s)["properties"] for s in sections]
         for name, kind in cls.__dict__.get("__annotations__", {}).items():
             if "ClassVar" in str(kind) or name in cls.__dict__:
                 continue
-            sub = next((props[name] for props in schemas if name in props), None)
+            found = [props[name] for props in schemas if name in props]
+            if len(found) > 1:
+                raise TypeError(f"{cls.__name__}.{name}: a key of more than one of the schema's {', '.join(sections)}")
+            sub = found[0] if found else load_schema()["properties"].get(name)
             if sub is None or "default" not in sub:
                 raise TypeError(f"{cls.__name__}.{name}: no key '{name}' with a default in the schema's {', '.join(sections)}")
             default = sub["default"]
