@@ -133,10 +133,11 @@ def recipe_config(cfg: dict, recipe: str, window: int, seed: int) -> dict:
 
 def train_one(cfg: dict, target: str, tokenized: str, run: Path, device: str, log) -> dict:
     """One rank of the pipeline's training on this process's device, then its export; returns its summary."""
+    from dflashpipe.config import settings
     from dflashpipe.drafter.export import export_final
     from dflashpipe.drafter.train import TrainConfig, train_rank
 
-    tc = TrainConfig.from_sections(cfg["drafter"], {**cfg["train"], "tensorboard": False}, cfg["seed"])
+    tc = settings(TrainConfig, cfg["drafter"], cfg["train"], seed=cfg["seed"], tensorboard=False)
     run.mkdir(parents=True, exist_ok=True)
     rdzv = run / "rendezvous"
     rdzv.unlink(missing_ok=True)

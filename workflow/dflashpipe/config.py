@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import difflib
 import functools
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import jsonschema
@@ -112,18 +113,51 @@ def _message(err: jsonschema.ValidationError) -> str:
     return f"{where}: {err.message}"
 
 
-def settings(cls, *sections: dict, **overrides):
-    """A library settings dataclass from config sections: the keys it knows, later sections winning.
+def schema_settings(*sections: str):
+    """Class decorator: a settings dataclass whose defaults are the schema's (declared once, there).
 
-    The one way scripts turn config into library arguments; keys the dataclass
-    does not know (e.g. ``threads``, handled by the job) are ignored.
+    The class names its fields and their types; each field is a key of one of ``sections``
+    (dotted, e.g. ``"target.tiny"``) or a top-level key (``seed``), and takes that key's schema
+    default. A field the schema lacks is an error at import. ``JOB_KEYS`` on the class lists the
+    keys of its sections that it does not take because the job reads them itself (``threads``, ...);
+    :func:`settings` refuses any other key.
     """
-    import dataclasses
 
-    known = {f.name for f in dataclasses.fields(cls)}
+    def wrap(cls):
+        schemas = [_section_schema(s)["properties"] for s in sections]
+        for name, kind in cls.__dict__.get("__annotations__", {}).items():
+            if "ClassVar" in str(kind) or name in cls.__dict__:
+                continue
+            found = [props[name] for props in schemas if name in props]
+            if len(found) > 1:
+                raise TypeError(f"{cls.__name__}.{name}: a key of more than one of the schema's {', '.join(sections)}")
+            sub = found[0] if found else load_schema()["properties"].get(name)
+            if sub is None or "default" not in sub:
+                raise TypeError(f"{cls.__name__}.{name}: no key '{name}' with a default in the schema's {', '.join(sections)}")
+            default = sub["default"]
+            setattr(cls, name, field(default_factory=lambda d=default: copy.deepcopy(d)) if isinstance(default, (list, dict)) else default)
+        cls.SECTIONS = sections
+        return dataclass(cls)
+
+    return wrap
+
+
+def settings(cls, *sections: dict, **extra):
+    """A settings object built from whole config sections (later ones and ``extra`` winning).
+
+    The one way jobs turn config into library arguments. Every key must be a field of ``cls``
+    or one of its ``JOB_KEYS`` (read by the job itself, e.g. ``threads``): any other key is
+    refused, so a key nothing takes cannot be dropped silently.
+    """
+    known = {f.name for f in fields(cls)}
+    job_keys = set(getattr(cls, "JOB_KEYS", ()))
     values = {}
-    for section in (*sections, overrides):
-        values.update({k: v for k, v in section.items() if k in known})
+    for section in (*sections, extra):
+        for key, value in section.items():
+            if key in known:
+                values[key] = value
+            elif key not in job_keys:
+                raise TypeError(f"{cls.__name__} takes no key '{key}': give it a field, or name it in {cls.__name__}.JOB_KEYS")
     return cls(**values)
 
 

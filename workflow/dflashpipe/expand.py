@@ -28,31 +28,36 @@ import hashlib
 import json
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
 import torch
 
 from dflashpipe.atomic import atomic_path, write_json
+from dflashpipe.config import schema_settings
 from dflashpipe.data import read_parquet, screen_prompt, target_context
 from dflashpipe.errors import UserError
 from dflashpipe.expand_openai import ServerSettings
 from dflashpipe.target import describe_neutralised, end_token_ids, generation_arguments
 
 
-@dataclass
+@schema_settings("expand")
 class ExpandSettings:
-    max_new_tokens: int = 320
-    batch_size: int = 64
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    num_samples: int = 1  # samples per prompt (needs temperature > 0 when > 1)
-    chunk_size: int = 512
-    seed: int = 0
-    chat_template_kwargs: dict = field(default_factory=dict)
-    backend: str = "auto"  # auto | embedded | batched | openai (see BACKENDS)
-    decode_step: str = "auto"  # batched backend: auto (compiled on a GPU) | compiled | static (see DECODE_STEPS)
+    """The ``expand`` section (and the expansion seed). Defaults: the schema's."""
+
+    JOB_KEYS = ("shards", "threads", "server")  # the rule's jobs and threads; server: ServerSettings
+
+    max_new_tokens: int
+    batch_size: int
+    temperature: float  # 0 = greedy
+    top_p: float
+    num_samples: int  # samples per prompt (needs temperature > 0 when > 1)
+    chunk_size: int
+    seed: int
+    chat_template_kwargs: dict
+    backend: str  # auto | embedded | batched | openai (see BACKENDS)
+    decode_step: str  # batched backend: auto (compiled on a GPU) | compiled | static (see DECODE_STEPS)
 
     def check(self, where: str = "expand") -> None:
         if self.backend not in BACKENDS:

@@ -35,8 +35,8 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
 
+from dflashpipe.config import schema_settings
 from dflashpipe.errors import UserError
 
 # a chat that many tokenizers split differently: digits, accents, CJK, symbols, code, emoji
@@ -54,17 +54,17 @@ HF_SAMPLING = {"generation_config": json.dumps({"do_sample": True, "top_k": 0})}
 REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 
 
-@dataclass
+@schema_settings("expand.server")
 class ServerSettings:
-    """``expand.server``: operational (read at run time; a change reruns nothing)."""
+    """``expand.server``: operational (read at run time; a change reruns nothing). Defaults: the schema's."""
 
-    url: str | None = None
-    model: str | None = None
-    concurrency: int = 8
-    timeout_s: float = 600.0
-    retries: int = 5
-    backoff_s: float = 1.0
-    api_key_env: str | None = None
+    url: str | None
+    model: str | None
+    concurrency: int
+    timeout_s: float
+    retries: int
+    backoff_s: float
+    api_key_env: str | None
 
 
 class _Retryable(Exception):

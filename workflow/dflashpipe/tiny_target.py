@@ -13,11 +13,13 @@ import math
 import random
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from typing import ClassVar
 
 import torch
 
 from dflashpipe.atomic import atomic_path, write_json
+from dflashpipe.config import schema_settings
 from dflashpipe.errors import UserError
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
@@ -33,27 +35,32 @@ CHAT_TEMPLATE = (
 ANSWER_RE = re.compile(r"####\s*-?[\d,]*\.?\d+\s*$")
 
 
-@dataclass
+@schema_settings("target.tiny")
 class TinyTargetConfig:
-    vocab_size: int = 4096
-    hidden_size: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 64
-    intermediate_size: int = 768
-    seq_len: int = 512  # packing window
-    batch_size: int = 8
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 30
-    weight_decay: float = 0.1
-    max_steps: int = 480
-    max_minutes: float = 10.0  # stop early (and say so) if the machine is slow
-    eval_every: int = 100
-    eval_rows: int = 200  # held-out chats for the loss
-    format_check_prompts: int = 50  # held-out prompts for the `#### N` check
-    seed: int = 0
+    """``target.tiny`` (and ``seed``). Defaults: the schema's."""
+
+    JOB_KEYS = ("threads", "train_datasets", "heldout_dataset")  # the job's threads; the rule's inputs
+    # the schedule's constants (not config keys)
+    min_lr_ratio: ClassVar[float] = 0.1
+    weight_decay: ClassVar[float] = 0.1
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    seq_len: int  # packing window
+    batch_size: int
+    lr: float
+    warmup_steps: int
+    max_steps: int
+    max_minutes: float  # stop early (and say so) if the machine is slow
+    eval_every: int
+    eval_rows: int  # held-out chats for the loss
+    format_check_prompts: int  # held-out prompts for the `#### N` check
+    seed: int
 
 
 def chat_text(turns: list[dict]) -> str:

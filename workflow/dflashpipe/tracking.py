@@ -52,14 +52,15 @@ def tag_for(column: str) -> str:
     return f"{group}/{column.removeprefix(group + '_')}"
 
 
-def check_available(cfg) -> None:
-    """One line, before training starts, when a tracker is asked for and its package is missing."""
-    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+def check_available(tensorboard: bool, wandb: bool) -> None:
+    """One line, before training starts, when a tracker is asked for (``train.tensorboard``, ``train.wandb``)
+    and its package is missing."""
+    if tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise UserError(
             "train.tensorboard is true but the tensorboard package is not installed: pip install tensorboard "
             "(the version in requirements.txt), or set train.tensorboard: false"
         )
-    if cfg.wandb and importlib.util.find_spec("wandb") is None:
+    if wandb and importlib.util.find_spec("wandb") is None:
         raise UserError(
             "train.wandb is true but the wandb package is not installed: pip install wandb, or set train.wandb: false"
         )
@@ -80,17 +81,20 @@ def _number(value) -> float | None:
 
 
 class Tracker:
-    """Writes a run's figures (rank 0); ``enabled=False`` (other ranks, tracking off): every call is a no-op."""
+    """Writes a run's figures (rank 0); ``enabled=False`` (other ranks, tracking off): every call is a no-op.
 
-    def __init__(self, cfg, ckpt_dir: str | Path, identity: dict, start_step: int, enabled: bool, log=print):
+    ``tensorboard``, ``wandb``, ``wandb_project``: the ``train`` keys of the same names."""
+
+    def __init__(self, ckpt_dir: str | Path, identity: dict, start_step: int, enabled: bool, *, tensorboard: bool,
+                 wandb: bool, wandb_project: str, log=print):
         self._tb = self._wandb = None
         self.start_step = start_step
-        if not enabled or not (cfg.tensorboard or cfg.wandb):
+        if not enabled or not (tensorboard or wandb):
             return
-        check_available(cfg)
+        check_available(tensorboard, wandb)
         tb_dir, wandb_dir = tracking_dirs(ckpt_dir)
         key = Path(ckpt_dir).name
-        if cfg.tensorboard:
+        if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             if start_step == 0 and tb_dir.is_dir():  # from step 1: an earlier attempt's events are not this run's
@@ -102,11 +106,11 @@ class Tracker:
             if start_step == 0:
                 self._tb.add_text("run/identity", f"```\n{json.dumps(identity, indent=2, default=str)}\n```", 0)
             log(f"TensorBoard events: {tb_dir} (tensorboard --logdir {tb_dir.parent})")
-        if cfg.wandb:
-            import wandb
+        if wandb:
+            import wandb as wandb_lib
 
             wandb_dir.mkdir(parents=True, exist_ok=True)
-            self._wandb = wandb.init(mode="offline", dir=str(wandb_dir), project=cfg.wandb_project, name=key,
+            self._wandb = wandb_lib.init(mode="offline", dir=str(wandb_dir), project=wandb_project, name=key,
                                      group=key, config={"identity": identity, "resumed_from_step": start_step})
             log(f"W&B offline run: {Path(self._wandb.dir).parent} (upload it later with `wandb sync` on that directory)")
 

@@ -6,7 +6,7 @@ from dflashpipe.runtime import job
 
 with job(snakemake.log[0], threads=snakemake.threads, name=f"expand {snakemake.wildcards.dataset} shard {snakemake.wildcards.shard}") as log:
     p = snakemake.params
-    expand_settings = settings(ExpandSettings, p.settings, seed=p.seed)
+    expand_settings = settings(ExpandSettings, snakemake.config["expand"], seed=p.seed)  # seed: 0 when greedy
     server = settings(ServerSettings, snakemake.config["expand"]["server"])  # operational: read at run time
     if expand_settings.backend != "openai":  # the target runs in this job
         lease = lease_for_job(snakemake.config)  # any free GPU slot

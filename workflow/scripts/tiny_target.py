@@ -14,8 +14,8 @@ def chats(path):
 
 
 with job(snakemake.log[0], threads=snakemake.threads, name="tiny_target") as log:
-    # params: the result-changing keys; the max_minutes safety stop is read here
-    cfg = settings(TinyTargetConfig, snakemake.config["target"]["tiny"], snakemake.params.cfg, seed=snakemake.params.seed)
+    # the whole section (params hold the result-changing keys only to trigger reruns)
+    cfg = settings(TinyTargetConfig, snakemake.config["target"]["tiny"], seed=snakemake.config["seed"])
     train = [c for path in snakemake.input.train for c in chats(path)]
     metrics = train_tiny_target(train, chats(snakemake.input.heldout), cfg, snakemake.output.model, snakemake.output.metrics, log=log)
     log(

@@ -1,20 +1,21 @@
+from dflashpipe.config import settings
 from dflashpipe.drafter.launch import run_training
 from dflashpipe.drafter.train import TrainConfig
 from dflashpipe.runtime import job
 
-p, config = snakemake.params, snakemake.config
+config = snakemake.config
 shards = config["train"]["shards"]
 with job(snakemake.log.main, threads=snakemake.threads, name=f"train ({shards} rank(s))") as log:
-    # params hold the result-changing keys (they trigger reruns); the operational ones are read here
-    cfg = TrainConfig.from_sections(p.drafter, {**config["train"], **p.train}, p.seed)
+    # the whole sections (params hold the result-changing keys only to trigger reruns)
+    cfg = settings(TrainConfig, config["drafter"], config["train"], seed=config["seed"])
     run_training(
         world_size=shards,
         threads_per_rank=max(1, snakemake.threads // shards),
-        cfg=vars(cfg),
+        cfg=cfg,
         tokenized=snakemake.input.tokenized,
         target=snakemake.input.target,
-        run_dir=p.run_dir,
-        cache_root=p.cache_root,
+        run_dir=snakemake.params.run_dir,
+        cache_root=snakemake.params.cache_root,
         stamps=list(snakemake.input.stamps),
         gpu_config={"gpu": config["gpu"], "results": config["results"]},
         rank_logs=list(snakemake.log.ranks),

@@ -1,5 +1,6 @@
 import time
 
+from dflashpipe.config import settings
 from dflashpipe.drafter.train import TrainConfig, warm_compile
 from dflashpipe.hotstart import seed_slot_cache, use_slot_cache, write_stamp
 from dflashpipe.lease import lease_for_job
@@ -15,7 +16,7 @@ with job(snakemake.log[0], threads=snakemake.threads, name=f"warm_slot{slot}") a
     if seeded:
         log(f"seeded the cache with {seeded} files compiled by warm_slot{slot - 1}")
     cache = use_slot_cache(p.cache_root, slot)
-    cfg = TrainConfig.from_sections(p.compile["drafter"], p.compile["train"], p.seed)
+    cfg = settings(TrainConfig, p.compile["drafter"], p.compile["train"], seed=p.seed)  # the keys that decide compiled code
     shards = p.compile["train"]["shards"]  # a warm job compiles one rank's shapes of a run of that many ranks
     out = warm_compile(cfg, snakemake.input.tokenized, snakemake.input.target, lease.device, shards, log=log)
     stamp = write_stamp(snakemake.output[0], out["signature"], lease.device, cache, out["bucket_seconds"], slot,

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 
 from dflashpipe.checkout import ENV as CODE_ENV
@@ -138,12 +139,12 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
             p.wait()
 
 
-def run_training(*, world_size: int, threads_per_rank: int, cfg: dict, tokenized: str, target: str, run_dir: str,
+def run_training(*, world_size: int, threads_per_rank: int, cfg, tokenized: str, target: str, run_dir: str,
                  cache_root: str, stamps: list[str], gpu_config: dict, rank_logs: list[str], metrics_csv: str,
                  summary_json: str, final_state: str, log=print) -> dict:
     """One training run of ``world_size`` ranks: launch them, then mark the run complete.
 
-    ``cfg`` is a :class:`~dflashpipe.drafter.train.TrainConfig` as a dict;
+    ``cfg`` is the run's :class:`~dflashpipe.drafter.train.TrainConfig`, sent to the ranks as JSON;
     ``gpu_config`` the config's ``gpu`` section plus ``results`` (for the leases).
     """
     from dflashpipe.lease import lease_for_job
@@ -151,15 +152,15 @@ def run_training(*, world_size: int, threads_per_rank: int, cfg: dict, tokenized
 
     from .checkpoint import checkpoint_dir, mark_complete, run_identity
     from .distributed import rendezvous_url
-    from .train import TrainConfig
 
-    check_available(TrainConfig(**cfg))  # a tracker asked for but not installed: one line before any lease
-    identity = run_identity(TrainConfig(**cfg), tokenized, target)  # once: every rank keys the same run
+    check_available(cfg.tensorboard, cfg.wandb)  # a tracker asked for but not installed: one line before any lease
+    identity = run_identity(cfg, tokenized, target)  # once: every rank keys the same run
     ckpt = checkpoint_dir(run_dir, identity)
     spec = {
-        "world_size": world_size, "threads": threads_per_rank, "cfg": cfg, "tokenized": tokenized, "target": target,
-        "identity": identity, "ckpt_dir": str(ckpt), "cache_root": cache_root, "stamps": stamps, "gpu_config": gpu_config,
-        "rank_logs": rank_logs, "metrics_csv": metrics_csv, "summary_json": summary_json, "final_state": final_state,
+        "world_size": world_size, "threads": threads_per_rank, "cfg": asdict(cfg), "tokenized": tokenized,
+        "target": target, "identity": identity, "ckpt_dir": str(ckpt), "cache_root": cache_root, "stamps": stamps,
+        "gpu_config": gpu_config, "rank_logs": rank_logs, "metrics_csv": metrics_csv, "summary_json": summary_json,
+        "final_state": final_state,
         # a fresh rendezvous file per launch: a killed launch's file is never reused
         "init_method": rendezvous_url(os.path.join(run_dir, "rendezvous"), uuid.uuid4().hex[:12]),
     }

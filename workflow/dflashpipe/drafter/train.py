@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import resource
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dflashpipe.atomic import write_json
+from dflashpipe.config import schema_settings
 from dflashpipe.errors import UserError
 from dflashpipe.faults import failpoint
 from dflashpipe.tracking import Tracker, check_available
@@ -52,53 +52,51 @@ from .step import apply_compile_mode, compile_signature, lr_at, prime_buckets, r
 # ---------------------------------------------------------------------------
 
 
-@dataclass
+@schema_settings("drafter", "train")
 class TrainConfig:
-    num_layers: int = 5  # drafter layers
-    block_size: int = 16
-    arch: str = "dflash2"  # dflash2 | dflash (the drafter section's architecture keys: model.ARCH_KEYS)
-    layer_types: list[str] | None = None
-    sliding_window: int | None = None
-    conv_kernel_size: int = 2
-    conv_group_size: int = 16
-    selector_rank: int = 256
-    selector_top_k: int = 16
-    final_logit_softcapping: float | None = None
-    output_multiplier: float = 1.0
-    num_anchors: int = 512  # N anchors per sequence, padded with keep=False
-    target_layer_ids: list[int] | None = None  # None: default_target_layer_ids(L, num_layers)
-    mask_token_id: int | None = None  # None: tokenizer.mask_token_id, else error
-    batch_size: int = 4  # sequences per step, over all ranks (the global batch)
-    epochs: float = 6.0
-    max_steps: int | None = None  # cap (for tests / quick runs)
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    loss_chunk_size: int = 1024
-    checkpoint_every: int = 100  # steps
-    eval_every: int = 0  # 0: only at the end
-    heldout_samples: int = 64  # deterministic held-out split of the tokenized data (by hash of id)
-    seed: int = 0
-    loss: str = "kl"  # kl (the target's distribution) | ce (the data's tokens)
-    tv_weight: float = 0.0  # + that multiple of the total variation to the target (or the label)
-    position_weights: str = "decay"  # decay (exp(-(k-1)/gamma), the paper) | dpace
-    selector_weight: float = 1.0  # dflash2: the candidate selector's loss, relative to the token loss
-    attention: str = "auto"  # auto: flex on CUDA, sdpa (dense mask) on CPU
-    compile: str = "layers"  # flex path (CUDA): layers | flex (flex_attention alone) | none (guard stops it)
-    dtype: str = "auto"  # auto: bf16 autocast on CUDA with fp32 master weights; fp32 on CPU
-    dist_timeout_s: float = 600.0
-    tensorboard: bool = True  # experiment tracking (dflashpipe.tracking; operational: not in the run identity)
-    wandb: bool = False
-    wandb_project: str = "dflash-drafter"
+    """The ``drafter`` and ``train`` sections and ``seed``, as one rank takes them: built once by the job
+    (:func:`dflashpipe.config.settings`), sent to the ranks as JSON. Defaults: the schema's."""
 
-    @classmethod
-    def from_sections(cls, drafter: dict, train: dict, seed: int = 0) -> "TrainConfig":
-        """Build from the config's ``drafter`` and ``train`` sections (pipeline-only keys ignored)."""
-        from dflashpipe.config import settings
+    JOB_KEYS = ("shards", "threads")  # the job's rank processes and their threads (scripts/train.py)
 
-        return settings(cls, drafter, train, seed=seed)
+    num_layers: int  # drafter layers
+    block_size: int
+    arch: str  # dflash2 | dflash (the drafter section's architecture keys: model.ARCH_KEYS)
+    layer_types: list[str] | None
+    sliding_window: int | None
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
+    final_logit_softcapping: float | None
+    output_multiplier: float
+    num_anchors: int  # N anchors per sequence, padded with keep=False
+    target_layer_ids: list[int] | None  # None: default_target_layer_ids(L, num_layers)
+    mask_token_id: int | None  # None: tokenizer.mask_token_id, else error
+    batch_size: int  # sequences per step, over all ranks (the global batch)
+    epochs: float
+    max_steps: int | None  # cap (for tests / quick runs)
+    lr: float
+    warmup_ratio: float
+    min_lr_ratio: float
+    weight_decay: float
+    grad_clip: float
+    loss_chunk_size: int
+    checkpoint_every: int  # steps
+    eval_every: int  # 0: only at the end
+    heldout_samples: int  # deterministic held-out split of the tokenized data (by hash of id)
+    seed: int
+    loss: str  # kl (the target's distribution) | ce (the data's tokens)
+    tv_weight: float  # + that multiple of the total variation to the target (or the label)
+    position_weights: str  # decay (exp(-(k-1)/gamma), the paper) | dpace
+    selector_weight: float  # dflash2: the candidate selector's loss, relative to the token loss
+    attention: str  # auto: flex on CUDA, sdpa (dense mask) on CPU
+    compile: str  # flex path (CUDA): layers | flex (flex_attention alone) | none (guard stops it)
+    dtype: str  # auto: bf16 autocast on CUDA with fp32 master weights; fp32 on CPU
+    dist_timeout_s: float
+    tensorboard: bool  # experiment tracking (dflashpipe.tracking; operational: not in the run identity)
+    wandb: bool
+    wandb_project: str
 
 
 # ---------------------------------------------------------------------------
@@ -179,7 +177,7 @@ def train_rank(cfg: TrainConfig, tokenized_dir: str, target_dir: str, ckpt_dir: 
     forbids compiles from then on. ``identity``: the run identity the launcher keyed
     ``ckpt_dir`` with (computed here if not given).
     """
-    check_available(cfg)  # a tracker asked for but not installed: one line before anything starts
+    check_available(cfg.tensorboard, cfg.wandb)  # a tracker asked for but not installed: one line before anything starts
     dev = resolve_device(device)
     t_start = time.time()
     init_dist(init_method, rank, world_size, dev, cfg.dist_timeout_s)
@@ -253,7 +251,8 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
 
     # -- the loop ------------------------------------------------------------------
     history = MetricsHistory(ckpt_dir, start_step, writer=rank == 0, log=log)
-    tracker = Tracker(cfg, ckpt_dir, identity, start_step, enabled=rank == 0, log=log)  # TensorBoard / W&B
+    tracker = Tracker(ckpt_dir, identity, start_step, enabled=rank == 0, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
+                      wandb_project=cfg.wandb_project, log=log)  # TensorBoard / W&B
     bar = tqdm(total=total_steps, initial=start_step, desc=f"train rank {rank}/{K}", mininterval=5)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)

@@ -1,0 +1,166 @@
+"""Every config key has one declaration (the schema) and a consumer; settings objects take exactly their keys.
+
+A key of a section with a settings class is a field of that class (its default: the schema's), or one
+of the class's ``JOB_KEYS`` (read by the job itself, e.g. ``threads``). A key of a section without
+one (``tokenize``, ``gpu``, ``datasets``, the top level) is read by name somewhere in the workflow.
+config/README.md documents each key once, in its section's table.
+"""
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from dflashpipe.config import load_schema, schema_settings, settings
+from dflashpipe.drafter.train import TrainConfig
+from dflashpipe.evaluate.ar_draft import ARDraftConfig
+from dflashpipe.evaluate.run import EvalSettings
+from dflashpipe.expand import ExpandSettings
+from dflashpipe.expand_openai import ServerSettings
+from dflashpipe.tiny_target import TinyTargetConfig
+
+# (settings class, the config sections it takes, the keys of those sections the job reads itself)
+SETTINGS = [
+    (TrainConfig, ("drafter", "train"), TrainConfig.JOB_KEYS),
+    (ExpandSettings, ("expand",), ExpandSettings.JOB_KEYS),
+    (ServerSettings, ("expand.server",), ()),
+    (TinyTargetConfig, ("target.tiny",), TinyTargetConfig.JOB_KEYS),
+    # the evaluation's classes still declare their own defaults (checked in test_config.py)
+    (ARDraftConfig, ("ar_draft",), ("threads",)),
+    (EvalSettings, ("evaluate",), ("threads",)),
+]
+TOP_LEVEL_FIELDS = {"seed"}  # top-level keys a settings class takes, passed by name (settings(..., seed=...))
+# ARDraftConfig inherits TinyTargetConfig's fields: the target's vocabulary is used, and it has no held-out checks
+# (evaluation code, left as it is here: it should become a schema_settings("ar_draft") class of its own)
+IGNORED_FIELDS = {(ARDraftConfig, name) for name in ("vocab_size", "eval_every", "eval_rows", "format_check_prompts")}
+
+
+def section_keys(node=None, prefix=""):
+    """Dotted names of the schema's leaf keys (a dataset's keys as ``datasets.*.key``)."""
+    node = load_schema() if node is None else node
+    out = []
+    for key, sub in node.get("properties", {}).items():
+        nested = sub.get("type") == "object" and ("properties" in sub or isinstance(sub.get("additionalProperties"), dict))
+        out += section_keys(sub, f"{prefix}{key}.") if nested else [f"{prefix}{key}"]
+    if isinstance(node.get("additionalProperties"), dict):
+        out += section_keys(node["additionalProperties"], f"{prefix}*.")
+    return out
+
+
+def workflow_source() -> str:
+    files = [REPO / "Snakefile", *(REPO / "workflow" / "rules").glob("*.smk"), *(REPO / "workflow").rglob("*.py")]
+    return "\n".join(Path(f).read_text() for f in files)
+
+
+def read_by_name(key: str, source: str) -> bool:
+    return f'["{key}"]' in source or f'.get("{key}"' in source
+
+
+def test_every_schema_key_has_a_consumer():
+    """A key nothing takes fails here: give it a settings field, or read it in the job that uses it."""
+    source = workflow_source()
+    unconsumed = []
+    for key in section_keys():
+        section, _, name = key.rpartition(".")
+        classes = [(cls, job_keys) for cls, sections, job_keys in SETTINGS if section in sections]
+        if any(name in {f.name for f in dataclasses.fields(cls)} for cls, _ in classes):
+            continue
+        if classes and not any(name in job_keys for _, job_keys in classes):
+            unconsumed.append(f"{key}: no field of {', '.join(cls.__name__ for cls, _ in classes)}, nor one of its JOB_KEYS")
+        elif not read_by_name(name, source):
+            unconsumed.append(f"{key}: read nowhere by name ([\"{name}\"] or .get(\"{name}\"))")
+    assert not unconsumed, f"schema keys that nothing takes: {unconsumed}"
+
+
+def test_every_settings_field_is_a_schema_key():
+    """A field the schema lacks fails here (and, for a ``schema_settings`` class, at import)."""
+    keys = set(section_keys())
+    stray = []
+    for cls, sections, job_keys in SETTINGS:
+        for f in dataclasses.fields(cls):
+            if (cls, f.name) in IGNORED_FIELDS or f.name in TOP_LEVEL_FIELDS and f.name in keys:
+                continue
+            if not any(f"{s}.{f.name}" in keys for s in sections):
+                stray.append(f"{cls.__name__}.{f.name}")
+        stray += [f"{cls.__name__}.JOB_KEYS: {k}" for k in job_keys if not any(f"{s}.{k}" in keys or any(
+            x.startswith(f"{s}.{k}.") for x in keys) for s in sections)]
+    assert not stray, f"settings fields that are no schema key: {stray}"
+
+
+def test_schema_settings_take_the_schema_defaults_and_refuse_fields_it_lacks():
+    @schema_settings("train")
+    class Train:
+        JOB_KEYS = ("threads",)
+        lr: float
+        seed: int
+
+    assert Train() == Train(lr=load_schema()["properties"]["train"]["properties"]["lr"]["default"], seed=0)
+    with pytest.raises(TypeError, match=r"Nope.learning_rate: no key 'learning_rate'"):
+
+        @schema_settings("train")
+        class Nope:
+            learning_rate: float
+
+    with pytest.raises(TypeError, match=r"Both.lr: a key of more than one"):
+
+        @schema_settings("target.tiny", "ar_draft")
+        class Both:
+            lr: float
+
+
+def test_settings_refuse_a_key_they_do_not_take(tmp_path):
+    from conftest import mini_config
+
+    from dflashpipe.config import SCHEMA_PATH, validate_config
+
+    config = validate_config(mini_config(), str(SCHEMA_PATH))
+    cfg = settings(TrainConfig, config["drafter"], config["train"], seed=config["seed"])  # threads, shards: the job's
+    assert cfg.lr == config["train"]["lr"] and cfg.num_layers == config["drafter"]["num_layers"]
+    with pytest.raises(TypeError, match=r"TrainConfig takes no key 'lr_decay'.*TrainConfig.JOB_KEYS"):
+        settings(TrainConfig, config["drafter"], {**config["train"], "lr_decay": 0.5})
+    with pytest.raises(TypeError, match=r"ServerSettings takes no key 'threads'"):
+        settings(ServerSettings, {**config["expand"]["server"], "threads": 2})
+
+
+def readme_tables() -> dict[str, str]:
+    """config/README.md's table rows: dotted key -> the row (a dataset's keys as ``datasets.*.key``)."""
+    section, rows = "", {}
+    for line in (REPO / "config" / "README.md").read_text().splitlines():
+        if line.startswith("## "):
+            m = re.match(r"## `([\w.]+)`", line)
+            section = m.group(1) if m else ""
+        elif line.startswith("| `"):
+            names = re.findall(r"`([\w.]+)`", line.split("|")[1])
+            prefix = names[0].rsplit(".", 1)[0] + "." if "." in names[0] else ""  # `server.url`, `a`, `b`
+            for name in names:
+                full = name if "." in name else prefix + name
+                if section == "datasets":
+                    full = f"datasets.*.{full}"
+                elif section and not full.startswith(section + "."):
+                    full = f"{section}.{full}"
+                rows[full] = line
+    return rows
+
+
+def test_config_readme_documents_every_key_once_in_its_section():
+    keys, documented = set(section_keys()), set(readme_tables())
+    assert not keys - documented, f"config/README.md: no table row for {sorted(keys - documented)}"
+    assert not documented - keys, f"config/README.md documents keys the schema lacks: {sorted(documented - keys)}"
+
+
+def test_config_readme_says_what_a_train_key_reruns_as_the_schema_marks_it():
+    """The `train` section's three lists (warm chain, training only, nothing) follow the x-compile and
+    x-operational marks."""
+    from dflashpipe.config import compile_keys, operational_keys
+
+    text = (REPO / "config" / "README.md").read_text()
+    part = text[text.index("What a change reruns"):text.index("Either way evaluation")]
+    # each bullet: the keys, then "(marked ...)" or ":"
+    listed = [set(re.findall(r"`(\w+)`", re.split(r"\(marked|:", b)[0])) for b in part.split("\n* ")[1:]]
+    train = {k.removeprefix("train.") for k in section_keys() if k.startswith("train.")}
+    compiled, operational = set(compile_keys()), set(operational_keys("train"))
+    assert listed[0] == compiled
+    assert listed[2] == operational - compiled
+    assert listed[1] == train - compiled - operational
