@@ -15,6 +15,7 @@ Files:
   math_train.jsonl.gz    GSM8K-style word problems (reasoning-gym "gsm_symbolic")
   math_heldout.jsonl.gz  same generator, disjoint seed, no question shared with math_train
   code_train.jsonl.gz    CodeI/O tasks shipped with reasoning-gym (data/codeio.jsonl.gz)
+  code_heldout.jsonl.gz  other CodeI/O tasks of the same file, none of code_train's
   humaneval.jsonl.gz     the 164 HumanEval problems (prompts only; extra field "entry_point")
 
 Everything is deterministic (fixed seeds, gzip mtime=0), so reruns with the same
@@ -88,7 +89,9 @@ def gsm_symbolic_rows(n, seed, exclude=frozenset()):
 # ---------------------------------------------------------------- code (CodeI/O)
 
 
-def codeio_rows(max_code_chars, max_rows, seed):
+def codeio_rows(max_code_chars, max_rows, seed, heldout_rows=0):
+    """(train rows, held-out rows, source rows): held-out rows are a seeded sample of the candidates
+    the train sample did not take (so disjoint by id and by prompt), kept in file order."""
     import reasoning_gym
 
     path = os.path.join(os.path.dirname(reasoning_gym.__file__), "data", "codeio.jsonl.gz")
@@ -110,11 +113,13 @@ def codeio_rows(max_code_chars, max_rows, seed):
         assistant = f"```python\n{code}\n```"
         candidates.append(chat(f"codeio-{idx}", user, assistant, "codeio"))
 
+    keep = range(len(candidates))
     if len(candidates) > max_rows:
         # Seeded sample (not just the head of the file), kept in source-file order.
         keep = sorted(random.Random(seed).sample(range(len(candidates)), max_rows))
-        candidates = [candidates[i] for i in keep]
-    return candidates, len(source_rows)
+    rest = sorted(set(range(len(candidates))) - set(keep))
+    held = sorted(random.Random(seed + 1).sample(rest, min(heldout_rows, len(rest))))
+    return [candidates[i] for i in keep], [candidates[i] for i in held], len(source_rows)
 
 
 # ---------------------------------------------------------------- HumanEval
@@ -155,6 +160,7 @@ def main():
     parser.add_argument("--math-heldout-seed", type=int, default=10_000_000)
     parser.add_argument("--code-max-chars", type=int, default=1500, help="max code_sample length (default: 1500)")
     parser.add_argument("--code-max-rows", type=int, default=1000, help="max rows in code_train (default: 1000)")
+    parser.add_argument("--code-heldout", type=int, default=200, help="rows in code_heldout (default: 200)")
     parser.add_argument("--code-seed", type=int, default=1234, help="seed for sub-sampling code rows")
     args = parser.parse_args()
 
@@ -169,13 +175,15 @@ def main():
     if train_range.start < heldout_range.stop and heldout_range.start < train_range.stop:
         sys.exit(f"error: math seed ranges overlap ({train_range} vs {heldout_range}); pick seeds further apart")
 
-    code_train, n_codeio = codeio_rows(args.code_max_chars, args.code_max_rows, args.code_seed)
+    code_train, code_heldout, n_codeio = codeio_rows(args.code_max_chars, args.code_max_rows, args.code_seed,
+                                                     args.code_heldout)
     humaneval = humaneval_rows()
 
     outputs = {
         "math_train.jsonl.gz": math_train,
         "math_heldout.jsonl.gz": math_heldout,
         "code_train.jsonl.gz": code_train,
+        "code_heldout.jsonl.gz": code_heldout,
         "humaneval.jsonl.gz": humaneval,
     }
     total = 0

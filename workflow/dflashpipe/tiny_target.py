@@ -146,7 +146,7 @@ def heldout_loss(model, tokenizer, chats: list[list[dict]]) -> dict:
     for turns in chats:
         ids = tokenizer(chat_text(turns))["input_ids"]
         n_prompt = len(tokenizer(chat_text(turns[:-1]) + "<|im_start|>assistant\n")["input_ids"])
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=model.device)
         logits = model(x).logits[0, :-1].float()
         nll = torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="none")
         tot += nll.sum().item()
@@ -164,7 +164,7 @@ def format_check(model, tokenizer, prompts: list[list[dict]], max_new_tokens: in
     ok, outs = 0, []
     for i in range(0, len(prompts), batch_size):
         batch = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts[i : i + batch_size]]
-        enc = tokenizer(batch, return_tensors="pt", padding=True)
+        enc = tokenizer(batch, return_tensors="pt", padding=True).to(model.device)
         gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         for row in gen[:, enc["input_ids"].shape[1] :]:
             text = tokenizer.decode(row, skip_special_tokens=True).strip()
@@ -252,8 +252,9 @@ def train_tiny_target(
     out_dir: str,
     metrics_path: str,
     log=print,
+    device: str = "cpu",
 ) -> dict:
-    """Train tokenizer + model, evaluate, and save an HF model directory atomically."""
+    """Train tokenizer + model (on ``device``), evaluate, and save an HF model directory atomically."""
     t0 = time.time()
     texts = [chat_text(c) for c in train_chats]
     tokenizer = train_tokenizer(texts, cfg.vocab_size)
@@ -261,7 +262,7 @@ def train_tiny_target(
     n_tokens = sum(map(len, token_lists))
     log(f"tokenizer: vocab {len(tokenizer)}, {len(texts)} chats, {n_tokens} tokens ({time.time() - t0:.1f}s)")
 
-    model = build_model(cfg, tokenizer)
+    model = build_model(cfg, tokenizer).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: Qwen3 {cfg.num_layers} layers, hidden {cfg.hidden_size}, {n_params / 1e6:.2f}M parameters")
     heldout = heldout_chats[: cfg.eval_rows]
@@ -283,7 +284,7 @@ def train_tiny_target(
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     with atomic_path(out_dir, is_dir=True) as tmp:
-        model.save_pretrained(tmp)
+        model.cpu().save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     write_json(metrics_path, metrics)
     return metrics
