@@ -87,7 +87,7 @@ def test_example_configs_are_valid():
     assert eight["train"]["shards"] == eight["gpu"]["slots"] == 8 and eight["train"]["compile"] == "layers"
     base = yaml.safe_load((REPO / "config/config.yaml").read_text())
     one_gpu = check(_merge(base, yaml.safe_load((REPO / "config/gpu_1x_tiny.yaml").read_text())))
-    assert one_gpu["gpu"]["slots"] == 1 and one_gpu["target"]["path"] == "gpu_inputs/tiny_target"
+    assert one_gpu["gpu"]["slots"] == 1 and one_gpu["target"]["path"] == base["target"]["path"] == "resources/tiny_target"
     assert one_gpu["datasets"] == check(base)["datasets"]  # the overlay changes only what it names
     bad = _merge(base, {"train": {"compile": "everything"}})
     with pytest.raises(UserError, match=r"train.compile: 'everything' is not one of"):

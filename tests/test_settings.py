@@ -35,6 +35,9 @@ TOP_LEVEL_FIELDS = {"seed"}  # top-level keys a settings class takes, passed by 
 # ARDraftConfig inherits TinyTargetConfig's fields: the target's vocabulary is used, and it has no held-out checks
 # (evaluation code, left as it is here: it should become a schema_settings("ar_draft") class of its own)
 IGNORED_FIELDS = {(ARDraftConfig, name) for name in ("vocab_size", "eval_every", "eval_rows", "format_check_prompts")}
+# EvalSettings' fields past the evaluate section: expand.chat_template_kwargs (passed by name) and the
+# library's own knobs a caller may set (tie_tolerance, warmup, cudnn_sdpa), no config keys
+IGNORED_FIELDS |= {(EvalSettings, name) for name in ("chat_template_kwargs", "tie_tolerance", "warmup", "cudnn_sdpa")}
 
 
 def section_keys(node=None, prefix=""):

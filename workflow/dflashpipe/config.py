@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 import functools
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -27,6 +28,7 @@ import yaml
 from dflashpipe.errors import UserError
 
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: config paths may be relative to it
 
 
 @functools.cache
@@ -247,6 +249,13 @@ def user_datasets(configfiles, cli_config: dict | None = None) -> dict | None:
     return found
 
 
+def repo_path(p: str) -> str:
+    """A config path: absolute, or relative to the working directory, else to the repository."""
+    if os.path.isabs(p) or os.path.exists(p) or not (REPO_ROOT / p).exists():
+        return p
+    return str(REPO_ROOT / p)
+
+
 def prepare_config(config: dict, source: str, user_files=(), cli_config: dict | None = None) -> list[str]:
     """What the workflow checks before any job runs, in one place; raises a one-line UserError.
 
@@ -263,6 +272,7 @@ def prepare_config(config: dict, source: str, user_files=(), cli_config: dict | 
     validate_config(config, str(SCHEMA_PATH), source)
     notes = []
     if config["target"]["path"] is not None:
+        config["target"]["path"] = repo_path(config["target"]["path"])  # the shipped tiny target from any -d
         check_target_dir(config["target"]["path"])
         mask_id, how = resolve_mask_token(config["target"]["path"], config["drafter"]["mask_token_id"])
         if config["drafter"]["mask_token_id"] is None:

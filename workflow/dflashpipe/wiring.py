@@ -145,7 +145,7 @@ class Pipeline:
         """A config path: absolute, or relative to the working directory, else to the repository."""
         if os.path.isabs(p) or os.path.exists(p):
             return p
-        return str(self.repo / p)
+        return str(self.repo / p)  # the repository of the Snakefile (config.repo_path: of the library)
 
     def datasets_for(self, use: str) -> list[str]:
         return [name for name, spec in self.config["datasets"].items() if spec["use"] == use]
