@@ -136,7 +136,8 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
     dcfg = DrafterConfig.from_target_config(tcfg, a.layers, bs, mask_id)
     cfg = TrainConfig(num_layers=a.layers, block_size=bs, num_anchors=N, batch_size=world, compile=a.compile)
     setup = resolve_setup(cfg, str(dev), mask_id, dcfg.target_layer_ids, world)  # one sequence per GPU
-    dropped = trim_unused_layers(target, dcfg.target_layer_ids)
+    # distillation (train.loss: kl) reads the target's last layer and LM head: trimmed only without it, as in training
+    dropped = [] if setup.objective.needs_teacher else trim_unused_layers(target, dcfg.target_layer_ids)
     mem = {}
     if cuda:
         torch.cuda.empty_cache()
