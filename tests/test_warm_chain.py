@@ -31,6 +31,7 @@ def dag_edges(workdir, *args):
 def test_default_dag_chains_warm_slots_and_gates_every_shard(tmp_path):
     cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
     cfg["train"].update(shards=3, batch_size=6)
+    cfg["gpu"]["slots"] = 3  # the default has one (a CPU); a 3-GPU box names three
     path = write_config(tmp_path / "c.yaml", cfg)
     labels, edges = dag_edges(tmp_path, "--configfile", str(path))
     node = {}
