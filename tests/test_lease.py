@@ -231,6 +231,23 @@ def test_lease_device_cpu(tmp_path, monkeypatch):
     dev.release()
 
 
+def test_on_a_cpu_machine_any_slot_jobs_share_the_cpu_and_slot_jobs_still_lock(tmp_path, monkeypatch):
+    """Two 1-thread evaluations on a 2-core machine must run together (Snakemake's --cores shares the
+    CPU): a job asking for any slot takes no lock there; a job of a given slot (warm chain, training
+    ranks) still holds its slot's lock."""
+    monkeypatch.setenv("DFLASH_DEVICE", "cpu")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("DFLASH_SLOT", raising=False)
+    monkeypatch.delenv("DFLASH_LEASE_FD", raising=False)
+    cfg = {"results": str(tmp_path), "gpu": {"slots": 1, "lock_dir": None, "lease_timeout_s": 0.5}}
+    first, second = L.lease_for_job(cfg), L.lease_for_job(cfg)  # no wait, no lock file
+    assert (first.device, second.device) == ("cpu", "cpu") and not (tmp_path / "locks").exists()
+    with L.lease_for_job(cfg, slot=0):
+        assert (tmp_path / "locks/slot0.lock").exists()
+        with pytest.raises(UserError, match="slot"):  # slot 0 is held: a second holder waits, then times out
+            L.lease_for_job(cfg, slot=0)
+
+
 def test_cli_exec_keeps_lease_and_child_adopts_it(tmp_path):
     code = textwrap.dedent(f"""
         import json, os

@@ -538,10 +538,15 @@ def lease_for_job(config: dict, slot: int | None = None, gpus: int = 1, **kwargs
     wait for one decide where a job runs, not what it computes, so changing
     them must not rerun finished jobs. ``gpus``: how many GPUs the job asked
     for (its ``gpu`` resource). Inside a cluster scheduler's job that got
-    exactly its GPUs the leases step aside (:func:`allocation_device`).
+    exactly its GPUs the leases step aside (:func:`allocation_device`), and so do they for a job that
+    takes any slot on a machine without GPUs; the warm chain's and training's own slots are still leased.
     """
     if scheduler_owns_gpus(gpus):
         return allocation_device(slot, set_env=kwargs.get("set_env", True))
+    if slot is None and detect_device_kind() == "cpu":
+        # any slot, on a machine without GPUs: nothing to keep apart (Snakemake's --cores shares the CPU);
+        # a lock would only serialise jobs such as two 1-thread evaluations on a 2-core machine
+        return allocation_device(None, set_env=kwargs.get("set_env", True))
     gpu = config["gpu"]
     lock_dir = gpu.get("lock_dir") or os.path.join(config["results"], "locks")
     return lease_device(lock_dir, gpu["slots"], slot=slot, timeout_s=gpu["lease_timeout_s"], **kwargs)
