@@ -161,6 +161,7 @@ def slurm_cluster(tmp_path_factory):
                 p.wait()
 
 
+@pytest.mark.slow  # ~7 min on 2 cores: every job through sbatch (bash scripts/test.sh -m slow)
 def test_the_mini_pipeline_on_slurm_equals_a_local_run(slurm_cluster, mini_run, tmp_path):
     """Every job goes through sbatch; the training job holds both fake GPUs and runs its two gloo
     ranks together (co-scheduled by construction: one job); the drafter equals the local run's."""
