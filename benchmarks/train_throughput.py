@@ -34,6 +34,8 @@ flex_attention: the dense-flex guard must stop the step with an error).
     python benchmarks/train_throughput.py --ranks 1,2 --out $OUT/throughput.json
     python benchmarks/train_throughput.py --compile none        # the guard, same shapes
     python benchmarks/train_throughput.py --device cpu --tiny --ranks 1,2   # smoke run of the code path
+    python benchmarks/train_throughput.py --set arch=dflash loss=ce         # another recipe's step
+    python benchmarks/train_throughput.py --ddp                             # K=1 through DDP + ZeRO-1 (baseline)
 
 Peer measured on one H200 with torch 2.11 at these shapes (see the GPU-scale
 issue): SpecForge's DFlash trainer, 10,178 context tokens/s, step 0.302 s
@@ -119,11 +121,15 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
     from dflashpipe.drafter.data import make_batch
     from dflashpipe.drafter.distributed import data_parallel, gather, init_dist, adamw
     from dflashpipe.drafter.features import trim_unused_layers
-    from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
+    from dflashpipe.drafter.model import ARCH_KEYS, DFlashDrafter, DrafterConfig
     from dflashpipe.drafter.step import apply_compile_mode, resolve_setup, train_step
     from dflashpipe.drafter.train import TrainConfig, resolve_device
 
     cuda = a.device.startswith("cuda")
+    if a.activation_budget is not None:  # the min-cut partitioner recomputes in the backward to stay under it
+        import torch._functorch.config
+
+        torch._functorch.config.activation_memory_budget = a.activation_budget
     shapes = TINY if a.tiny else QWEN3_8B
     S = 256 if a.tiny else a.seq_len
     N = 16 if a.tiny else a.anchors
@@ -133,8 +139,10 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
 
     target, tcfg = build_target(shapes, S, bs, str(dev))
     mask_id = tcfg.vocab_size - 1
-    dcfg = DrafterConfig.from_target_config(tcfg, a.layers, bs, mask_id)
-    cfg = TrainConfig(num_layers=a.layers, block_size=bs, num_anchors=N, batch_size=world, compile=a.compile)
+    cfg = TrainConfig(num_layers=a.layers, block_size=bs, num_anchors=N, batch_size=world, compile=a.compile,
+                      **overrides(a.set))
+    # the architecture keys (arch, layer_types, dflash2's) from the same settings, as training builds it
+    dcfg = DrafterConfig.from_target_config(tcfg, a.layers, bs, mask_id, **{k: getattr(cfg, k) for k in ARCH_KEYS})
     setup = resolve_setup(cfg, str(dev), mask_id, dcfg.target_layer_ids, world)  # one sequence per GPU
     # distillation (train.loss: kl) reads the target's last layer and LM head: trimmed only without it, as in training
     dropped = [] if setup.objective.needs_teacher else trim_unused_layers(target, dcfg.target_layer_ids)
@@ -145,10 +153,16 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
     torch.manual_seed(0)
     drafter = DFlashDrafter(dcfg).to(dev).train()  # fp32 master weights, as the pipeline
     apply_compile_mode(setup, drafter)  # on the flex path: dense flex_attention calls raise
-    model = data_parallel(drafter, world)
-    if a.optimizer == "zero":  # the pipeline's: ZeRO-1 over K > 1 ranks, plain AdamW at K = 1
+    if a.ddp and world == 1:  # the one-rank path before it went plain: DDP's buckets and ZeRO-1 over one rank
+        from dflashpipe.drafter.distributed import sharded_adamw
+
+        model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=None, gradient_as_bucket_view=True)
+        opt = sharded_adamw(model, 6e-4, 0.0, dev)
+    elif a.optimizer == "zero":  # the pipeline's: ZeRO-1 over K > 1 ranks, plain AdamW at K = 1
+        model = data_parallel(drafter, world)
         opt = adamw(model, 6e-4, 0.0, dev, world)
     else:
+        model = data_parallel(drafter, world)
         opt = torch.optim.AdamW(model.parameters(), lr=6e-4, **({"fused": True} if cuda else {"foreach": True}))
 
     g = torch.Generator().manual_seed(rank)
@@ -176,7 +190,9 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
                 train_step(model, target, opt, b, 6e-4, setup, mark=mark)
         return {k: 1000 * v / len(batches) for k, v in split.items()}
 
-    result = {"ranks": world, "optimizer": a.optimizer, "shapes": shapes, "seq_len": S, "anchors": N, "block_size": bs,
+    result = {"ranks": world, "optimizer": a.optimizer, "ddp_at_one_rank": bool(a.ddp and world == 1),
+              "activation_memory_budget": a.activation_budget,
+              "recipe": {"arch": cfg.arch, "loss": cfg.loss, **overrides(a.set)}, "shapes": shapes, "seq_len": S, "anchors": N, "block_size": bs,
               "drafter_layers": a.layers, "target_layers_run": max(dcfg.target_layer_ids) + 1,
               "target_layers_dropped": dropped, "torch": torch.__version__,
               "device": torch.cuda.get_device_name(0) if cuda else "cpu",
@@ -205,6 +221,8 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
         split = timed_split(batches, no_sync=False)
         split_local = timed_split(batches, no_sync=True) if world > 1 else split
         bus = allreduce_busbw(dev, world, elements=(2**18 if a.tiny else 2**28))
+        if a.memory and rank == 0 and cuda:
+            write_memory_peak(a.memory, lambda: train_step(model, target, opt, batches[0], 6e-4, setup))
         if a.profile and rank == 0:
             write_profile(a.profile, lambda: [train_step(model, target, opt, b, 6e-4, setup) for b in batches[:3]], cuda)
     except RuntimeError as err:
@@ -241,6 +259,19 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
     return result
 
 
+def overrides(pairs: list[str]) -> dict:
+    """``["loss=ce", "selector_weight=0.5"]`` -> ``{"loss": "ce", "selector_weight": 0.5}`` (values as YAML)."""
+    import yaml
+
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {pair!r}: expected KEY=VALUE")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def allreduce_busbw(dev, world: int, elements: int, reps: int = 5) -> dict | None:
     """Time an all-reduce of ``elements`` fp32 values: algorithm and bus bandwidth (NCCL's conventions)."""
     import torch.distributed as dist
@@ -274,8 +305,15 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer", default="zero", choices=["zero", "replicated"], help="ZeRO-1 (the pipeline) or replicated AdamW")
     p.add_argument("--compile", default="layers", choices=["layers", "flex", "none"], help="the pipeline's train.compile")
     p.add_argument("--no-compile", action="store_true", help="same as --compile none")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="train/drafter settings of the step (e.g. arch=dflash loss=ce); default: the schema's")
+    p.add_argument("--activation-budget", type=float, default=None,
+                   help="torch._functorch.config.activation_memory_budget for the compiled graphs (1.0: save all)")
+    p.add_argument("--ddp", action="store_true", help="K = 1 through DDP + ZeRO-1 anyway (the path before it went plain)")
+    p.add_argument("--cache", default=None, help="compile cache dir to share between calls (default: a fresh one)")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, help="write a torch.profiler table of 3 steps (rank 0) to this file")
+    p.add_argument("--memory", default=None, help="write what is allocated at one step's memory peak (rank 0, CUDA) to this file")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: "rank,world,rendezvous"
     a = p.parse_args(argv)
     if a.no_compile:
@@ -288,7 +326,7 @@ def main(argv=None) -> int:
         return 0
 
     # one shared compile cache: the first K compiles, the later ones load (as the pipeline's warm chain)
-    cache = tempfile.mkdtemp(prefix="throughput_cache_")
+    cache = a.cache or tempfile.mkdtemp(prefix="throughput_cache_")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor", TRITON_CACHE_DIR=f"{cache}/triton", PYTHONUNBUFFERED="1")
     own = [x for x in (argv if argv is not None else sys.argv[1:])]
     results = []
@@ -310,6 +348,54 @@ def main(argv=None) -> int:
         if base and "error" not in r:
             r["per_gpu_vs_one_gpu"] = r["context_tokens_per_s_per_gpu"] / base["context_tokens_per_s_per_gpu"]
     return finish(results[0] if len(results) == 1 else {"runs": results}, a.out)
+
+
+def write_memory_peak(path: str, run, top: int = 25) -> None:
+    """What is allocated at the peak of one step: the blocks alive then, by the line of this repo that made them.
+
+    Records the allocator's history over ``run()`` (``torch.cuda.memory._record_memory_history``),
+    replays it from the bytes allocated before the step to the moment of the most bytes allocated,
+    and writes the largest groups of the step's blocks then alive (bytes, count, the innermost
+    frames of this repo, else the innermost frames).
+    """
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    run()
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    events = [e for e in snap["device_traces"][0] if e["action"] in ("alloc", "free_completed")]
+
+    def replay(stop: int):
+        total, peak, peak_at, live = start, start, -1, {}
+        for i, e in enumerate(events[:stop]):
+            if e["action"] == "alloc":
+                live[e["addr"]] = e
+                total += e["size"]
+            else:  # a block of the step, or one from before it (e.g. last step's gradients)
+                live.pop(e["addr"], None)
+                total -= e["size"]
+            if total > peak:
+                peak, peak_at = total, i
+        return peak, peak_at, live
+
+    peak, peak_at, _ = replay(len(events))
+    _, _, live = replay(peak_at + 1)
+    groups: dict[str, list[int]] = {}
+    for e in live.values():
+        frames = e.get("frames") or []
+        ours = [f for f in frames if "/dflashpipe/" in f["filename"] or "train_throughput" in f["filename"]]
+        where = " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in (ours or frames)[:3]) or "?"
+        g = groups.setdefault(where, [0, 0])
+        g[0] += e["size"]
+        g[1] += 1
+    step_blocks = sum(e["size"] for e in live.values())
+    lines = [f"allocated before the step: {start / GIB:.2f} GiB; peak: {peak / GIB:.2f} GiB, of which blocks the step "
+             f"allocated and still held then: {step_blocks / GIB:.2f} GiB (event {peak_at} of {len(events)})", ""]
+    for where, (size, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"{size / GIB:8.3f} GiB  {n:5d} blocks  {where}")
+    Path(path).write_text("\n".join(lines) + "\n")
 
 
 def write_profile(path: str, run, cuda: bool) -> None:
