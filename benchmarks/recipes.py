@@ -139,7 +139,7 @@ def train_one(cfg: dict, target: str, tokenized: str, run: Path, device: str, lo
 
     tc = settings(TrainConfig, cfg["drafter"], cfg["train"], seed=cfg["seed"], tensorboard=False)
     run.mkdir(parents=True, exist_ok=True)
-    rdzv = run / "rendezvous"
+    rdzv = (run / "rendezvous").resolve()  # a file:// URL needs an absolute path
     rdzv.unlink(missing_ok=True)
     t0 = time.time()
     summary = train_rank(tc, tokenized, target, str(run / "checkpoints"), 0, 1, f"file://{rdzv}", device,

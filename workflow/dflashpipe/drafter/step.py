@@ -36,7 +36,7 @@ class Setup:
 
     How the step's hot functions run is part of it: ``target_layer`` and ``chunk_ce``
     (compiled with ``compile: layers`` on the flex path, eager otherwise); the drafter
-    carries its own mode (:func:`apply_compile_mode`). Nothing is switched module-wide.
+    carries its own mode (:func:`apply_compile_mode`). Process-wide settings are made in :func:`apply_compile_mode` only.
     """
 
     device: torch.device
@@ -55,6 +55,7 @@ class Setup:
     objective: Objective = Objective()  # what each block position's loss is (train.loss, DFlash 2's logit transform)
     position_weights: str = "decay"  # train.position_weights: the fixed exp decay, or D-PACE
     selector_weight: float = 0.0  # DFlash 2's candidate-selector loss, relative to the token loss
+    activation_memory_budget: float = 1.0  # of the compiled graphs (1: save what the backward reads)
     windows: dict = field(default_factory=lambda: {"full_attention": None})  # layer type -> sliding window
     target_layer: Callable | None = field(default=None, repr=False)  # None: eager target layers
     chunk_ce: ChunkCE = field(default=EAGER_CE, repr=False)
@@ -97,6 +98,7 @@ def resolve_setup(cfg, device: str, mask_token_id: int, layer_ids: list[int], wo
         objective=objective,
         position_weights=cfg.position_weights,
         selector_weight=cfg.selector_weight if dflash2 else 0.0,
+        activation_memory_budget=cfg.activation_memory_budget,
         windows={t: (cfg.sliding_window if t == "sliding_attention" else None) for t in layer_types},
         target_layer=compiled_target_layer() if layers else None,  # torch.compile is lazy: nothing compiles here
         chunk_ce=compiled_chunk_ce() if layers else EAGER_CE,
@@ -119,6 +121,10 @@ def apply_compile_mode(setup: Setup, drafter) -> None:
     would compile other graphs than the single-process warm job. The compiled
     regions are single layers, whose gradients become ready layer by layer, so
     DDP's bucketed all-reduces overlap the backward without it.
+
+    ``train.activation_memory_budget`` (< 1) makes AOTAutograd's partitioner keep fewer of the
+    compiled graphs' activations and recompute the rest in the backward. Like the Dynamo setting
+    above it is process-wide: a warm job and a rank are processes of their own.
     """
     from dflashpipe.hotstart import forbid_dense_flex
 
@@ -126,6 +132,10 @@ def apply_compile_mode(setup: Setup, drafter) -> None:
     if setup.attention == "flex":
         forbid_dense_flex()
         torch._dynamo.config.optimize_ddp = False
+    if setup.compile != "none":  # read when AOTAutograd partitions a graph (and part of its cache key)
+        import torch._functorch.config
+
+        torch._functorch.config.activation_memory_budget = setup.activation_memory_budget
 
 
 def lr_at(step: int, total_steps: int, cfg) -> float:
@@ -304,6 +314,7 @@ def compile_signature(setup: Setup, drafter_config: dict, buckets: np.ndarray) -
         "loss_chunk_size": setup.loss_chunk_size,
         "attention": setup.attention,
         "compile": setup.compile,
+        "activation_memory_budget": setup.activation_memory_budget if setup.compile != "none" else None,
         "objective": [setup.objective.loss, setup.objective.tv_weight, setup.objective.multiplier, setup.objective.cap],
         "position_weights": setup.position_weights,
         "selector_weight": setup.selector_weight,

@@ -92,6 +92,7 @@ class TrainConfig:
     selector_weight: float  # dflash2: the candidate selector's loss, relative to the token loss
     attention: str  # auto: flex on CUDA, sdpa (dense mask) on CPU
     compile: str  # flex path (CUDA): layers | flex (flex_attention alone) | none (guard stops it)
+    activation_memory_budget: float  # < 1: the compiled backward recomputes instead of saving (less memory)
     dtype: str  # auto: bf16 autocast on CUDA with fp32 master weights; fp32 on CPU
     dist_timeout_s: float
     tensorboard: bool  # experiment tracking (dflashpipe.tracking; operational: not in the run identity)
