@@ -37,7 +37,7 @@ import torch
 from dflashpipe.errors import UserError
 from dflashpipe.target import generation_arguments
 
-from .spec_decode import DecodeResult, eos_ids_of, sync
+from dflashpipe.decode.speculative import DecodeResult, eos_ids_of, sync
 
 
 def _streamer_base():

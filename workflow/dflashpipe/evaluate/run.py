@@ -33,7 +33,7 @@ from dflashpipe.errors import UserError
 
 from . import metrics as M
 from .methods import DEFAULT_METHODS, REFERENCE, Harness, Runner, Skip, select
-from .spec_decode import (
+from dflashpipe.decode.speculative import (
     ARDecoder,
     DecodeResult,
     DFlashDecoder,

@@ -32,7 +32,7 @@ import inspect
 
 import torch
 
-from dflashpipe.cuda_graph import capture
+from dflashpipe.decode.cuda_graph import capture
 from dflashpipe.drafter.features import _layer_types, has_standard_layout
 
 
@@ -68,7 +68,7 @@ def supports_static(model) -> str | None:
     types = set(_layer_types(model.model))
     if types != {"full_attention"}:
         return f"layer types {sorted(types)} (only full attention is supported)"
-    from dflashpipe.slot_decode import host_synced_rope
+    from dflashpipe.decode.slots import host_synced_rope
 
     return host_synced_rope(model.config)
 

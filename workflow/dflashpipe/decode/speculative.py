@@ -36,7 +36,7 @@ import torch
 
 from dflashpipe.errors import UserError
 
-from .metrics import cut_step
+from dflashpipe.evaluate.metrics import cut_step
 
 
 # ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from dflashpipe.cuda_graph import capture
+from dflashpipe.decode.cuda_graph import capture
 
 
 class StaticDrafterRunner:
