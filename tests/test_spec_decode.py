@@ -16,16 +16,9 @@ import torch
 
 from dflashpipe.drafter.export import load_drafter, save_drafter
 from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
+from dflashpipe.decode.speculative import ARDecoder, DecodeResult, DFlashDecoder, eos_ids_of
 from dflashpipe.errors import UserError
-from dflashpipe.decode.speculative import (
-    ARDecoder,
-    DecodeResult,
-    DFlashDecoder,
-    check_lossless,
-    default_tie_tolerance,
-    eos_ids_of,
-    logit_gap,
-)
+from dflashpipe.evaluate.lossless import check_lossless, default_tie_tolerance, logit_gap
 from dflashpipe.target import load_target
 
 torch.set_num_threads(1)

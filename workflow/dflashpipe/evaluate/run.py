@@ -29,21 +29,12 @@ import pandas as pd
 import torch
 
 from dflashpipe.atomic import atomic_path, write_json
+from dflashpipe.decode.speculative import ARDecoder, DecodeResult, DFlashDecoder, drafter_runner, eos_ids_of, target_runner
 from dflashpipe.errors import UserError
 
 from . import metrics as M
+from .lossless import check_lossless, default_tie_tolerance, logit_gap
 from .methods import DEFAULT_METHODS, REFERENCE, Harness, Runner, Skip, select
-from dflashpipe.decode.speculative import (
-    ARDecoder,
-    DecodeResult,
-    DFlashDecoder,
-    check_lossless,
-    default_tie_tolerance,
-    drafter_runner,
-    eos_ids_of,
-    logit_gap,
-    target_runner,
-)
 
 
 @dataclass
