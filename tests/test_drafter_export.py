@@ -337,7 +337,7 @@ def test_a_sliding_layer_without_is_causal_false_is_refused(tmp_path):
 
 @pytest.mark.parametrize("case", ["dflash2", "sliding"])
 def test_transformers_assistant_refuses_what_it_cannot_run(tmp_path, case):
-    from dflashpipe.drafter.hf_assistant import export_hf_assistant
+    from dflashpipe.evaluate.hf_assistant import export_hf_assistant
 
     tc = tiny_target_config()
     cfg = DrafterConfig.from_target_config(tc, 2, 4, V - 1, **ARCH_CASES[case])

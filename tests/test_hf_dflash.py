@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dflashpipe.drafter.export import load_drafter, save_drafter
-from dflashpipe.drafter.hf_assistant import (
+from dflashpipe.evaluate.hf_assistant import (
     RENAMES,
     export_hf_assistant,
     load_hf_assistant,
@@ -166,7 +166,7 @@ def test_transformers_dflash_is_lossless_and_verifies_as_often_as_ours(target, t
 
 
 def test_evaluator_runs_hf_dflash_or_records_why_not(micro_target, tmp_path, monkeypatch):
-    import dflashpipe.drafter.hf_assistant as hfa
+    import dflashpipe.evaluate.hf_assistant as hfa
     from conftest import PROMPTS as PROMPT_DIR
     from conftest import read_jsonl_gz
     from dflashpipe.evaluate.run import EvalSettings, evaluate_dataset

@@ -30,10 +30,10 @@ from dflashpipe.errors import UserError
 if TYPE_CHECKING:
     import torch
 
+    from dflashpipe.decode.speculative import ARDecoder, DecodeResult, DFlashDecoder
     from dflashpipe.drafter.model import DrafterConfig
 
     from .run import EvalSettings
-    from dflashpipe.decode.speculative import ARDecoder, DecodeResult, DFlashDecoder
 
 #: What a method may need beyond the target: the trained DFlash drafter (loaded for every evaluation,
 #: whatever the methods) or the small autoregressive draft (rule ``ar_draft``: trained, and given to the
@@ -143,9 +143,8 @@ def _hf_dflash(h: Harness) -> Runner:
     lacks it (before 5.15) or cannot run this drafter (e.g. DFlash 2: it runs plain DFlash only)."""
     import transformers
 
-    from dflashpipe.drafter.hf_assistant import load_hf_assistant, unavailable_reason, unsupported_reason
-
     from .baselines import hf_dflash_generate
+    from .hf_assistant import load_hf_assistant, unavailable_reason, unsupported_reason
 
     reason = unavailable_reason() or unsupported_reason(h.drafter_cfg)
     if reason:
