@@ -33,7 +33,7 @@ import inspect
 import torch
 
 from dflashpipe.decode.cuda_graph import capture
-from dflashpipe.drafter.features import _layer_types, has_standard_layout
+from dflashpipe.drafter.features import has_standard_layout, layer_types_of
 
 
 class StaticKV:
@@ -65,7 +65,7 @@ def supports_static(model) -> str | None:
     """None if :class:`StaticTargetRunner` can drive ``model``; else why not (one phrase)."""
     if not has_standard_layout(model):
         return f"{type(model).__name__} does not have the standard HF decoder layout"
-    types = set(_layer_types(model.model))
+    types = set(layer_types_of(model.model))
     if types != {"full_attention"}:
         return f"layer types {sorted(types)} (only full attention is supported)"
     from dflashpipe.decode.slots import host_synced_rope
