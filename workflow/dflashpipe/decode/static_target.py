@@ -21,7 +21,7 @@ of the weights' memory-bound time). The prefill (variable length) runs the same 
 uncaptured. On the CPU nothing is captured (the static cache still runs, which is
 how the tests compare it with the dynamic path).
 
-:class:`StaticTargetRunner` has :class:`~dflashpipe.evaluate.spec_decode.TargetRunner`'s
+:class:`StaticTargetRunner` has :class:`~dflashpipe.decode.speculative.TargetRunner`'s
 interface (``new_cache``, ``forward``, ``keep``), so both decoders use either.
 Outputs of a captured step live in static buffers: read them before the next call.
 """

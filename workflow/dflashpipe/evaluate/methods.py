@@ -13,7 +13,7 @@ An entry's ``start`` is called once per evaluation, after the target, the drafte
 same-harness DFlash and AR decoders are loaded and before anything is timed. It loads what the
 method needs and returns a :class:`Runner`; it raises :class:`Skip` when the method cannot run
 here (the reason goes to the summary's ``skipped_methods``). The runner decodes one prompt, batch
-size 1, and returns a :class:`~.spec_decode.DecodeResult` that times the decode only (from the
+size 1, and returns a :class:`~dflashpipe.decode.speculative.DecodeResult` that times the decode only (from the
 first output token: :mod:`.baselines` shows how for transformers' ``generate``).
 
 Nothing heavy is imported here at import time: the workflow's wiring reads the registry when
@@ -94,7 +94,7 @@ class Method:
 
 
 def _dflash(h: Harness) -> Runner:
-    """DFlash speculative decoding (:class:`.spec_decode.DFlashDecoder`)."""
+    """DFlash speculative decoding (:class:`dflashpipe.decode.speculative.DFlashDecoder`)."""
     return Runner(lambda prompt, n, seed: h.dflash.generate(prompt, n, h.temperature, seed))
 
 

@@ -49,7 +49,7 @@ class EvalSettings:
     ``"ties"`` (as exact, except divergences at numerical near-ties of the target's logits;
     tolerance ``tie_tolerance``, default :func:`default_tie_tolerance` of the dtype) or
     ``"report"`` (as ties, but never fails). ``target_step``: how the DFlash and AR loops run the
-    target (:data:`.spec_decode.TARGET_STEPS`): ``auto`` = a static KV cache with
+    target (:data:`dflashpipe.decode.speculative.TARGET_STEPS`): ``auto`` = a static KV cache with
     CUDA-graph-captured steps on a GPU where the model's layout allows it, HF's ``DynamicCache``
     otherwise; recorded in the summary.
 
