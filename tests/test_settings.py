@@ -96,6 +96,17 @@ def test_every_settings_class_takes_its_defaults_from_the_schema():
     for cls, sections, _ in SETTINGS:
         assert cls.__dict__.get("SECTIONS") == sections, f"{cls.__name__}: not @schema_settings{sections}"
 
+
+def test_the_drafter_architecture_keys_are_declared_once():
+    """TrainConfig takes DrafterConfig's architecture fields (model.ARCH_KEYS) with the schema's defaults: a new
+    architecture key is a ``drafter`` entry in the schema and a DrafterConfig field, nothing more."""
+    from dflashpipe.drafter.model import ARCH_KEYS
+
+    drafter = load_schema()["properties"]["drafter"]["properties"]
+    assert set(ARCH_KEYS) == set(drafter) - {"block_size", "num_layers", "target_layer_ids", "mask_token_id"}
+    cfg = TrainConfig()
+    assert {k: getattr(cfg, k) for k in ARCH_KEYS} == {k: drafter[k]["default"] for k in ARCH_KEYS}
+
 def test_schema_settings_take_the_schema_defaults_and_refuse_fields_it_lacks():
     @schema_settings("train")
     class Train:
