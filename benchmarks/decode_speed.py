@@ -8,13 +8,13 @@ Batch 1 (the evaluation harness; 200-token prompt, ``--new`` new tokens):
 * ``hf_generate``: HF ``generate`` (greedy, DynamicCache), ms per token;
 * ``ar_dynamic`` / ``ar_static``: the harness's AR loop with the dynamic (eager,
   ``DynamicCache``) and the static target step (static KV cache, CUDA graphs:
-  :mod:`dflashpipe.evaluate.static_target`), ms per token;
+  :mod:`dflashpipe.decode.static_target`), ms per token;
 * ``verify_*``: one target forward of a 16-token block with context features;
   ``draft_*``: one drafter forward + LM head + argmax; ``dflash_block_*``: a whole DFlash step
   (draft + verify + accept + draft-cache update) from the DFlash loop with a
   random drafter (which accepts nothing, so every step is one block); the drafter's
   side runs eager with the dynamic target step and captured (CUDA graphs:
-  :mod:`dflashpipe.evaluate.static_drafter`) with the static ones;
+  :mod:`dflashpipe.decode.static_drafter`) with the static ones;
 * the memory-bound limit: the target's weight bytes over the copy bandwidth
   measured on the same GPU.
 
@@ -24,7 +24,7 @@ like chat replies: lognormal, median 300, capped at 1,024):
 * ``static_generate``: today's embedded backend (static ``generate`` batches of
   ``--batch``, a batch runs to its longest member), useful tokens/s;
 * ``batched``: the ``batched`` expansion backend (continuous batching over a
-  static slotted KV cache, CUDA-graph decode step: :mod:`dflashpipe.slot_decode`),
+  static slotted KV cache, CUDA-graph decode step: :mod:`dflashpipe.decode.slots`),
   useful tokens/s, the steps taken by rows computed, and the decode step's time
   with every row busy (at the run's mean position and at the cache's end) with
   the bytes it reads and their fraction of the measured copy bandwidth, per
@@ -103,8 +103,8 @@ def reply_lengths(n: int, seed: int = 0, median: float = 300, sigma: float = 0.6
 
 def batch1(a, target, tcfg, dev) -> dict:
     from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
-    from dflashpipe.evaluate.spec_decode import ARDecoder, DFlashDecoder, TargetRunner, drafter_runner
-    from dflashpipe.evaluate.static_target import StaticTargetRunner
+    from dflashpipe.decode.speculative import ARDecoder, DFlashDecoder, TargetRunner, drafter_runner
+    from dflashpipe.decode.static_target import StaticTargetRunner
 
     bs, P, new = a.block_size, (32 if a.tiny else 200), a.new
     g = torch.Generator().manual_seed(0)
@@ -222,8 +222,8 @@ def continuous(target, prompts, lengths, dev, cb_kwargs: dict, timeout: float) -
 
 
 def batched(target, prompts, lengths, dev, slots: int, attention: str, compile: bool, bandwidth: float | None) -> dict:
-    """The ``batched`` expansion backend's decoder (:mod:`dflashpipe.slot_decode`), one limit per request."""
-    from dflashpipe.slot_decode import SlotDecoder, kv_bytes_per_token
+    """The ``batched`` expansion backend's decoder (:mod:`dflashpipe.decode.slots`), one limit per request."""
+    from dflashpipe.decode.slots import SlotDecoder, kv_bytes_per_token
 
     if torch.device(dev).type == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -72,6 +72,21 @@ def test_warm_fingerprint_and_run_identity_cover_the_drafter_model():
     assert "tracking.py" not in got and not any(n.startswith("evaluate/") for n in got)
 
 
+
+def test_each_decoder_belongs_to_the_stages_that_run_it():
+    """decode/ holds the expansion's slot decoder and the evaluation's loops side by side: an edit to the
+    loops reruns the evaluation, never the expansion (its package __init__ imports nothing)."""
+    from dflashpipe.codedeps import script_closure
+
+    expand = names(script_closure(LIB, REPO / "workflow/scripts/expand.py"))
+    evaluate = names(script_closure(LIB, REPO / "workflow/scripts/evaluate.py"))
+    train = names(script_closure(LIB, REPO / "workflow/scripts/train.py"))
+    assert {"decode/__init__.py", "decode/slots.py", "decode/cuda_graph.py"} <= expand
+    assert not {"decode/speculative.py", "decode/static_target.py", "decode/static_drafter.py"} & expand
+    assert {"decode/speculative.py", "decode/static_target.py", "decode/static_drafter.py", "decode/cuda_graph.py",
+            "evaluate/lossless.py", "evaluate/hf_assistant.py", "evaluate/metrics.py"} <= evaluate
+    assert not any(n.startswith("decode/") for n in train)
+
 SOURCE = '''
 """Module docstring."""
 import math

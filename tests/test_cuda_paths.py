@@ -54,7 +54,7 @@ def _prompts(vocab, lengths=(5, 23, 1, 14)):
 
 
 def test_captured_target_and_drafter_steps_decode_like_the_eager_loop():
-    from dflashpipe.evaluate.spec_decode import ARDecoder, DFlashDecoder, TargetRunner, drafter_runner, target_runner
+    from dflashpipe.decode.speculative import ARDecoder, DFlashDecoder, TargetRunner, drafter_runner, target_runner
 
     target, drafter, dcfg = _models()
     ends = [7]
@@ -79,7 +79,7 @@ def test_batched_decoder_graphs_decode_like_transformers():
     compiled, with every cache position outside the live blocks NaN, so a read of one would poison the reply."""
     import copy
 
-    from dflashpipe.slot_decode import SlotDecoder
+    from dflashpipe.decode.slots import SlotDecoder
 
     target64, _, _ = _models()
     prompts = _prompts(target64.config.vocab_size, (5, 23, 1, 14, 9, 30, 2, 11, 17, 4))

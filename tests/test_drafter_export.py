@@ -337,7 +337,7 @@ def test_a_sliding_layer_without_is_causal_false_is_refused(tmp_path):
 
 @pytest.mark.parametrize("case", ["dflash2", "sliding"])
 def test_transformers_assistant_refuses_what_it_cannot_run(tmp_path, case):
-    from dflashpipe.drafter.hf_assistant import export_hf_assistant
+    from dflashpipe.evaluate.hf_assistant import export_hf_assistant
 
     tc = tiny_target_config()
     cfg = DrafterConfig.from_target_config(tc, 2, 4, V - 1, **ARCH_CASES[case])
@@ -409,7 +409,7 @@ def fit_drafter(target, cfg, steps: int = 60) -> DFlashDrafter:
     """Fit a drafter (float64) to the target's greedy continuations of the first two prompts, so that some
     drafts are accepted and some are not."""
     from dflashpipe.drafter.masks import build_block_inputs
-    from dflashpipe.evaluate.spec_decode import ARDecoder
+    from dflashpipe.decode.speculative import ARDecoder
 
     torch.manual_seed(1)
     drafter = DFlashDrafter(cfg).to(torch.float64)
@@ -453,7 +453,7 @@ def test_export_loads_with_automodel_trust_remote_code_and_decodes_as_the_pipeli
     """The export alone (config.json, model.safetensors, dflash.py) loads through AutoModel with remote code, in a
     process that cannot import the pipeline, and its spec_generate gives, step for step, what the pipeline's loop
     gives (the same tokens as plain greedy decoding, the same drafts accepted per verify step)."""
-    from dflashpipe.evaluate.spec_decode import ARDecoder, DFlashDecoder
+    from dflashpipe.decode.speculative import ARDecoder, DFlashDecoder
 
     target, target_dir = spec_target
     cfg = DrafterConfig.from_target_config(target.config, 2, SBS, SMASK, **REMOTE_CASES[case])
@@ -517,7 +517,7 @@ def test_loads_into_zlab_reference(spec_target, tmp_path):
     length budget, so the last step may differ). Set DFLASH_REFERENCE_DIR to a checkout of z-lab/dflash."""
     import os
 
-    from dflashpipe.evaluate.spec_decode import DFlashDecoder
+    from dflashpipe.decode.speculative import DFlashDecoder
 
     reference = os.environ.get("DFLASH_REFERENCE_DIR")
     if not reference:

@@ -16,7 +16,7 @@ from dflashpipe.evaluate.metrics import (
     tau_pooled,
     tokens_per_second,
 )
-from dflashpipe.evaluate.spec_decode import DecodeResult
+from dflashpipe.decode.speculative import DecodeResult
 
 EOS = 99
 

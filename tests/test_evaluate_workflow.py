@@ -45,7 +45,7 @@ def test_plotting_code_edit_does_not_rerun_training(mini_run):
 
     assert planned("plots.py") == {"plots", "all"}
     assert planned("tables.py") == {"tables", "plots", "all"}
-    assert planned("evaluate/spec_decode.py") == {"evaluate", "tables", "plots", "all"}
+    assert planned("decode/speculative.py") == {"evaluate", "tables", "plots", "all"}
 
 
 def test_html_report(mini_copy):

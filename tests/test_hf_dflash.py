@@ -7,7 +7,7 @@ float64 (so a block forward and a one-token forward cannot round a near-tie
 differently): the assistant computes what our drafter computes; with a drafter
 trained to accept part of its drafts, transformers' greedy DFlash output equals
 plain greedy decoding and it verifies exactly as often, step for step, as this
-pipeline's loop (evaluate/spec_decode.py); and the evaluator's ``hf_dflash``
+pipeline's loop (decode/speculative.py); and the evaluator's ``hf_dflash``
 method runs, or is skipped with its reason recorded.
 """
 
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dflashpipe.drafter.export import load_drafter, save_drafter
-from dflashpipe.drafter.hf_assistant import (
+from dflashpipe.evaluate.hf_assistant import (
     RENAMES,
     export_hf_assistant,
     load_hf_assistant,
@@ -29,7 +29,7 @@ from dflashpipe.drafter.hf_assistant import (
 from dflashpipe.drafter.masks import block_position_ids, build_block_inputs, dense_mask
 from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
 from dflashpipe.evaluate.baselines import hf_dflash_generate
-from dflashpipe.evaluate.spec_decode import ARDecoder, DFlashDecoder
+from dflashpipe.decode.speculative import ARDecoder, DFlashDecoder
 
 torch.set_num_threads(1)
 pytestmark = [
@@ -166,7 +166,7 @@ def test_transformers_dflash_is_lossless_and_verifies_as_often_as_ours(target, t
 
 
 def test_evaluator_runs_hf_dflash_or_records_why_not(micro_target, tmp_path, monkeypatch):
-    import dflashpipe.drafter.hf_assistant as hfa
+    import dflashpipe.evaluate.hf_assistant as hfa
     from conftest import PROMPTS as PROMPT_DIR
     from conftest import read_jsonl_gz
     from dflashpipe.evaluate.run import EvalSettings, evaluate_dataset

@@ -27,13 +27,12 @@ SETTINGS = [
     (ExpandSettings, ("expand",), ExpandSettings.JOB_KEYS),
     (ServerSettings, ("expand.server",), ()),
     (TinyTargetConfig, ("target.tiny",), TinyTargetConfig.JOB_KEYS),
-    # the evaluation's classes still declare their own defaults (checked in test_config.py)
-    (ARDraftConfig, ("ar_draft",), ("threads",)),
-    (EvalSettings, ("evaluate",), ("threads",)),
+    (ARDraftConfig, ("ar_draft",), ARDraftConfig.JOB_KEYS),
+    (EvalSettings, ("evaluate",), EvalSettings.JOB_KEYS),
 ]
 TOP_LEVEL_FIELDS = {"seed"}  # top-level keys a settings class takes, passed by name (settings(..., seed=...))
-# ARDraftConfig inherits TinyTargetConfig's fields: the target's vocabulary is used, and it has no held-out checks
-# (evaluation code, left as it is here: it should become a schema_settings("ar_draft") class of its own)
+# ARDraftConfig inherits TinyTargetConfig's fields that ar_draft lacks (at target.tiny's defaults): the target's
+# vocabulary is used, and it has no held-out checks
 IGNORED_FIELDS = {(ARDraftConfig, name) for name in ("vocab_size", "eval_every", "eval_rows", "format_check_prompts")}
 # EvalSettings' fields past the evaluate section: expand.chat_template_kwargs (passed by name) and the
 # library's own knobs a caller may set (tie_tolerance, warmup, cudnn_sdpa), no config keys
@@ -91,6 +90,22 @@ def test_every_settings_field_is_a_schema_key():
             x.startswith(f"{s}.{k}.") for x in keys) for s in sections)]
     assert not stray, f"settings fields that are no schema key: {stray}"
 
+
+def test_every_settings_class_takes_its_defaults_from_the_schema():
+    """No class repeats a schema default: each is a ``schema_settings`` class of exactly its sections."""
+    for cls, sections, _ in SETTINGS:
+        assert cls.__dict__.get("SECTIONS") == sections, f"{cls.__name__}: not @schema_settings{sections}"
+
+
+def test_the_drafter_architecture_keys_are_declared_once():
+    """TrainConfig takes DrafterConfig's architecture fields (model.ARCH_KEYS) with the schema's defaults: a new
+    architecture key is a ``drafter`` entry in the schema and a DrafterConfig field, nothing more."""
+    from dflashpipe.drafter.model import ARCH_KEYS
+
+    drafter = load_schema()["properties"]["drafter"]["properties"]
+    assert set(ARCH_KEYS) == set(drafter) - {"block_size", "num_layers", "target_layer_ids", "mask_token_id"}
+    cfg = TrainConfig()
+    assert {k: getattr(cfg, k) for k in ARCH_KEYS} == {k: drafter[k]["default"] for k in ARCH_KEYS}
 
 def test_schema_settings_take_the_schema_defaults_and_refuse_fields_it_lacks():
     @schema_settings("train")

@@ -14,7 +14,7 @@ import torch
 from conftest import PROMPTS
 from dflashpipe.data import prepare_prompts
 from dflashpipe.expand import ExpandSettings, expand_prompts
-from dflashpipe.slot_decode import SlotDecoder, unsupported_reason
+from dflashpipe.decode.slots import SlotDecoder, unsupported_reason
 
 torch.set_num_threads(1)
 
@@ -118,7 +118,7 @@ def test_top_p_keeps_the_tokens_transformers_keeps():
     TopPLogitsWarper keeps (random logits, several thresholds), at least one always; samples stay in it."""
     from transformers.generation.logits_process import TopPLogitsWarper
 
-    from dflashpipe.slot_decode import top_p_filter
+    from dflashpipe.decode.slots import top_p_filter
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=g, dtype=torch.float64) * 3

@@ -16,16 +16,9 @@ import torch
 
 from dflashpipe.drafter.export import load_drafter, save_drafter
 from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
+from dflashpipe.decode.speculative import ARDecoder, DecodeResult, DFlashDecoder, eos_ids_of
 from dflashpipe.errors import UserError
-from dflashpipe.evaluate.spec_decode import (
-    ARDecoder,
-    DecodeResult,
-    DFlashDecoder,
-    check_lossless,
-    default_tie_tolerance,
-    eos_ids_of,
-    logit_gap,
-)
+from dflashpipe.evaluate.lossless import check_lossless, default_tie_tolerance, logit_gap
 from dflashpipe.target import load_target
 
 torch.set_num_threads(1)
@@ -354,8 +347,8 @@ def test_evaluate_skips_unusable_prompts_and_keeps_a_failed_check(micro, micro_t
 def test_static_target_step_decodes_what_the_dynamic_one_does(which, request):
     """The static-KV target step (CUDA graphs on a GPU; uncaptured here) gives the same greedy tokens,
     the same accepted drafts per verify step, and the same logits as HF with a DynamicCache."""
-    from dflashpipe.evaluate.spec_decode import TargetRunner, drafter_runner, target_runner
-    from dflashpipe.evaluate.static_target import StaticTargetRunner
+    from dflashpipe.decode.speculative import TargetRunner, drafter_runner, target_runner
+    from dflashpipe.decode.static_target import StaticTargetRunner
 
     target, tok, drafter, cfg = request.getfixturevalue(which)
     eos = eos_ids_of(tok, target)
@@ -385,8 +378,8 @@ def test_static_target_step_decodes_what_the_dynamic_one_does(which, request):
 def test_static_drafter_hides_rejected_positions_like_the_growing_cache(sharp):
     """Blocks verified with 1..bs accepted positions: the static drafter (whole block written, the rejected
     tail hidden, then overwritten) drafts exactly what the eager drafter with its growing cache drafts."""
-    from dflashpipe.evaluate.spec_decode import DrafterRunner
-    from dflashpipe.evaluate.static_drafter import StaticDrafterRunner
+    from dflashpipe.decode.speculative import DrafterRunner
+    from dflashpipe.decode.static_drafter import StaticDrafterRunner
 
     import copy
 

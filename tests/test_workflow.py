@@ -52,6 +52,7 @@ def test_code_edit_reruns_exactly_its_stages(mini_run, tmp_path):
     assert planned("drafter/loss.py") == training
     assert planned("tokenize.py") == data
     assert planned("expand.py") == {"expand_shard", "merge_expanded"} | data
+    assert planned("decode/slots.py") == {"expand_shard", "merge_expanded"} | data  # the batched backend
     assert planned("tiny_target.py") == {"tiny_target", "expand_shard", "merge_expanded"} | data
     assert planned("data.py") == {"prompts", "tiny_target", "expand_shard", "merge_expanded"} | data
 

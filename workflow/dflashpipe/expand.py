@@ -11,7 +11,7 @@ discards them. The work directory is removed once the output is complete.
 Backends (``expand.backend``): ``embedded`` generates in this process with
 transformers ``generate`` (:func:`_generate_chunk`); ``batched`` in this process
 with continuous batching over a static KV cache and a CUDA-graph decode step
-(:mod:`dflashpipe.slot_decode`); ``auto`` is ``batched`` on a GPU where the
+(:mod:`dflashpipe.decode.slots`); ``auto`` is ``batched`` on a GPU where the
 target's layout allows it, else ``embedded``; ``openai`` sends the prompts
 to an OpenAI-compatible server the user runs (:mod:`dflashpipe.expand_openai`).
 Each backend is opened once per job by a function in :data:`BACKENDS` and
@@ -168,8 +168,8 @@ def _chunk_prompts(tokenizer, rows: pd.DataFrame, s: ExpandSettings, context: in
 
 
 def _open_batched(target_path: str, s: ExpandSettings, device: str, server: ServerSettings, log):
-    """The target in this process, continuous batching over a static KV cache (:mod:`dflashpipe.slot_decode`)."""
-    from dflashpipe.slot_decode import SlotDecoder, kv_bytes_per_token, unsupported_reason
+    """The target in this process, continuous batching over a static KV cache (:mod:`dflashpipe.decode.slots`)."""
+    from dflashpipe.decode.slots import SlotDecoder, kv_bytes_per_token, unsupported_reason
     from dflashpipe.target import load_target
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -263,7 +263,7 @@ def _auto_backend(target_path: str, device: str) -> tuple[str, str | None]:
     """What ``auto`` runs: ``batched`` on a GPU when the target's layout allows it, else ``embedded`` (and why not)."""
     from transformers import AutoConfig
 
-    from dflashpipe.slot_decode import unsupported_reason
+    from dflashpipe.decode.slots import unsupported_reason
 
     why = unsupported_reason(type("M", (), {"config": AutoConfig.from_pretrained(target_path)})())
     return ("batched" if device.startswith("cuda") and not why else "embedded"), why

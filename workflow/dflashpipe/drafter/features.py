@@ -73,7 +73,8 @@ def _call_mask_fn(fn, config, embeds, attention_mask, position_ids):
 _MASK_BUILDERS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 
 
-def _layer_types(inner) -> list[str]:
+def layer_types_of(inner) -> list[str]:
+    """The attention type of each decoder layer of an HF model's inner model (``full_attention`` where unset)."""
     return list(getattr(inner.config, "layer_types", None) or ["full_attention"] * len(inner.layers))
 
 
@@ -81,7 +82,7 @@ def _layer_masks(inner, embeds, attention_mask, position_ids):
     """{layer_type: mask} as the HF model builds it, or None if a layer type is unknown."""
     from transformers import masking_utils
 
-    types = _layer_types(inner)
+    types = layer_types_of(inner)
     if any(t not in _MASK_BUILDERS for t in types):
         return None, types
     build = {t: getattr(masking_utils, _MASK_BUILDERS[t]) for t in set(types)}
@@ -120,7 +121,7 @@ def trim_unused_layers(target, layer_ids) -> int:
     """
     if not has_standard_layout(target):
         return 0
-    if any(t not in _MASK_BUILDERS for t in _layer_types(target.model)):
+    if any(t not in _MASK_BUILDERS for t in layer_types_of(target.model)):
         return 0  # the HF fallback would run, and it needs every layer (its last output is post-norm)
     inner, keep = target.model, max(int(i) for i in layer_ids) + 1
     dropped = len(inner.layers) - keep

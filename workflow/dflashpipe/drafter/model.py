@@ -43,7 +43,7 @@ block query at position p sees a context key j only if p - j < sliding_window.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
@@ -68,9 +68,6 @@ def _block_layer(layer, h, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, attn):
 COMPILE_MODES = ("layers", "flex", "none")
 ARCHS = ("dflash", "dflash2")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-#: DrafterConfig fields that choose the architecture (the config's ``drafter`` keys of the same names)
-ARCH_KEYS = ("arch", "layer_types", "sliding_window", "conv_kernel_size", "conv_group_size", "selector_rank",
-             "selector_top_k", "final_logit_softcapping", "output_multiplier")
 
 
 # ---------------------------------------------------------------------------
@@ -108,6 +105,12 @@ def resolve_layer_types(num_layers: int, sliding_window: int | None, layer_types
     return ["sliding_attention" if sliding_window else "full_attention"] * int(num_layers)
 
 
+def _arch(default):
+    """A :class:`DrafterConfig` field that chooses the architecture: a key of the config's ``drafter``
+    section of the same name, which training takes from the config as it is (:data:`ARCH_KEYS`)."""
+    return field(default=default, metadata={"arch": True})
+
+
 def _rope_theta_of(target_config) -> float:
     """rope_theta of an HF config: ``rope_parameters`` (transformers 5) or top level."""
     params = getattr(target_config, "rope_parameters", None)
@@ -142,16 +145,17 @@ class DrafterConfig:
     rope_theta: float = 1e6
     max_position_embeddings: int = 32768
     block_size: int = 16
-    arch: str = "dflash"  # one of ARCHS
-    layer_types: list[str] | None = None  # per layer, one of LAYER_TYPES; None: all sliding iff sliding_window
-    sliding_window: int | None = None
+    # the architecture (ARCH_KEYS: the config's `drafter` keys of the same names)
+    arch: str = _arch("dflash")  # one of ARCHS
+    layer_types: list[str] | None = _arch(None)  # per layer, one of LAYER_TYPES; None: all sliding iff sliding_window
+    sliding_window: int | None = _arch(None)
     # dflash2 only (z-lab's dflash_config keys)
-    conv_kernel_size: int = 2
-    conv_group_size: int = 16
-    selector_rank: int = 256
-    selector_top_k: int = 16
-    final_logit_softcapping: float | None = None
-    output_multiplier: float = 1.0
+    conv_kernel_size: int = _arch(2)
+    conv_group_size: int = _arch(16)
+    selector_rank: int = _arch(256)
+    selector_top_k: int = _arch(16)
+    final_logit_softcapping: float | None = _arch(None)
+    output_multiplier: float = _arch(1.0)
 
     def __post_init__(self):
         if not self.target_layer_ids:
@@ -253,6 +257,12 @@ class DrafterConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+#: DrafterConfig's architecture fields, name -> type: the config's ``drafter`` keys of the same names, which
+#: training's settings (``TrainConfig``) take with the schema's defaults. Declared once, in DrafterConfig (``_arch``).
+ARCH_FIELDS = {f.name: f.type for f in fields(DrafterConfig) if f.metadata.get("arch")}
+ARCH_KEYS = tuple(ARCH_FIELDS)
 
 
 # ---------------------------------------------------------------------------

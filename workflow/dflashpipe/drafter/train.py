@@ -44,7 +44,7 @@ from .distributed import (
 )
 from .features import trim_unused_layers
 from .heldout import heldout_figures
-from .model import ARCH_KEYS, DFlashDrafter, DrafterConfig
+from .model import ARCH_FIELDS, ARCH_KEYS, DFlashDrafter, DrafterConfig
 from .step import apply_compile_mode, compile_signature, lr_at, prime_buckets, resolve_setup, train_step
 
 # ---------------------------------------------------------------------------
@@ -61,15 +61,9 @@ class TrainConfig:
 
     num_layers: int  # drafter layers
     block_size: int
-    arch: str  # dflash2 | dflash (the drafter section's architecture keys: model.ARCH_KEYS)
-    layer_types: list[str] | None
-    sliding_window: int | None
-    conv_kernel_size: int
-    conv_group_size: int
-    selector_rank: int
-    selector_top_k: int
-    final_logit_softcapping: float | None
-    output_multiplier: float
+    # the architecture keys (arch, layer_types, sliding_window, the dflash2 keys): declared once, as the
+    # DrafterConfig fields of the same names (model.ARCH_FIELDS); handed to it as they are (build)
+    __annotations__.update(ARCH_FIELDS)
     num_anchors: int  # N anchors per sequence, padded with keep=False
     target_layer_ids: list[int] | None  # None: default_target_layer_ids(L, num_layers)
     mask_token_id: int | None  # None: tokenizer.mask_token_id, else error

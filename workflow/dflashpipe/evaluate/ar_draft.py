@@ -7,20 +7,34 @@ Kept apart from the decoding code so that editing one does not rerun the other.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
+from dflashpipe.config import schema_settings
 from dflashpipe.errors import UserError
 from dflashpipe.tiny_target import TinyTargetConfig, build_model, train_lm
 
 
-@dataclass
+@schema_settings("ar_draft")
 class ARDraftConfig(TinyTargetConfig):
-    """A 1-2 layer Qwen3 causal LM with the target's tokenizer and vocabulary (``vocab_size`` is ignored:
+    """``ar_draft`` (and ``seed``), defaults the schema's: a 1-2 layer Qwen3 causal LM with the target's
+    tokenizer and vocabulary. Built and trained as the tiny target is (:mod:`dflashpipe.tiny_target`); the
+    fields it inherits that ``ar_draft`` lacks keep ``target.tiny``'s defaults (``vocab_size`` is ignored:
     the target's is used, and recorded in the metrics)."""
 
-    num_layers: int = 1
-    warmup_steps: int = 20
-    max_steps: int = 300
+    JOB_KEYS = ("threads",)  # the job's threads
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    seq_len: int
+    batch_size: int
+    lr: float
+    warmup_steps: int
+    max_steps: int
+    max_minutes: float
 
 
 def _token_lists(items, tokenizer) -> list[list[int]]:

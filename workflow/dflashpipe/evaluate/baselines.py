@@ -37,7 +37,7 @@ import torch
 from dflashpipe.errors import UserError
 from dflashpipe.target import generation_arguments
 
-from .spec_decode import DecodeResult, eos_ids_of, sync
+from dflashpipe.decode.speculative import DecodeResult, eos_ids_of, sync
 
 
 def _streamer_base():
@@ -199,7 +199,7 @@ def hf_dflash_generate(
     """transformers' own DFlash speculative generation (``speculation_type="dflash"``).
 
     ``assistant_model``: a ``MuseGlimmerAssistantModel``, e.g. from
-    :func:`dflashpipe.drafter.hf_assistant.load_hf_assistant`. Each decode
+    :func:`dflashpipe.evaluate.hf_assistant.load_hf_assistant`. Each decode
     forward of the target verifies one drafted block, so ``committed`` holds the
     tokens per verify step (cut at the stop token / length limit, as this
     harness counts them) and ``target_forwards`` the verify steps.

@@ -13,7 +13,7 @@ An entry's ``start`` is called once per evaluation, after the target, the drafte
 same-harness DFlash and AR decoders are loaded and before anything is timed. It loads what the
 method needs and returns a :class:`Runner`; it raises :class:`Skip` when the method cannot run
 here (the reason goes to the summary's ``skipped_methods``). The runner decodes one prompt, batch
-size 1, and returns a :class:`~.spec_decode.DecodeResult` that times the decode only (from the
+size 1, and returns a :class:`~dflashpipe.decode.speculative.DecodeResult` that times the decode only (from the
 first output token: :mod:`.baselines` shows how for transformers' ``generate``).
 
 Nothing heavy is imported here at import time: the workflow's wiring reads the registry when
@@ -30,10 +30,10 @@ from dflashpipe.errors import UserError
 if TYPE_CHECKING:
     import torch
 
+    from dflashpipe.decode.speculative import ARDecoder, DecodeResult, DFlashDecoder
     from dflashpipe.drafter.model import DrafterConfig
 
     from .run import EvalSettings
-    from .spec_decode import ARDecoder, DecodeResult, DFlashDecoder
 
 #: What a method may need beyond the target: the trained DFlash drafter (loaded for every evaluation,
 #: whatever the methods) or the small autoregressive draft (rule ``ar_draft``: trained, and given to the
@@ -94,7 +94,7 @@ class Method:
 
 
 def _dflash(h: Harness) -> Runner:
-    """DFlash speculative decoding (:class:`.spec_decode.DFlashDecoder`)."""
+    """DFlash speculative decoding (:class:`dflashpipe.decode.speculative.DFlashDecoder`)."""
     return Runner(lambda prompt, n, seed: h.dflash.generate(prompt, n, h.temperature, seed))
 
 
@@ -143,9 +143,8 @@ def _hf_dflash(h: Harness) -> Runner:
     lacks it (before 5.15) or cannot run this drafter (e.g. DFlash 2: it runs plain DFlash only)."""
     import transformers
 
-    from dflashpipe.drafter.hf_assistant import load_hf_assistant, unavailable_reason, unsupported_reason
-
     from .baselines import hf_dflash_generate
+    from .hf_assistant import load_hf_assistant, unavailable_reason, unsupported_reason
 
     reason = unavailable_reason() or unsupported_reason(h.drafter_cfg)
     if reason:

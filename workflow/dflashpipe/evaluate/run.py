@@ -22,43 +22,35 @@ import math
 import resource
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 
 import pandas as pd
 import torch
 
 from dflashpipe.atomic import atomic_path, write_json
+from dflashpipe.config import schema_settings
+from dflashpipe.decode.speculative import ARDecoder, DecodeResult, DFlashDecoder, drafter_runner, eos_ids_of, target_runner
 from dflashpipe.errors import UserError
 
 from . import metrics as M
-from .methods import DEFAULT_METHODS, REFERENCE, Harness, Runner, Skip, select
-from .spec_decode import (
-    ARDecoder,
-    DecodeResult,
-    DFlashDecoder,
-    check_lossless,
-    default_tie_tolerance,
-    drafter_runner,
-    eos_ids_of,
-    logit_gap,
-    target_runner,
-)
+from .lossless import check_lossless, default_tie_tolerance, logit_gap
+from .methods import REFERENCE, Harness, Runner, Skip, select
 
 
-@dataclass
+@schema_settings("evaluate")
 class EvalSettings:
     """How :func:`evaluate_dataset` evaluates: the config's ``evaluate`` section, and a few more.
 
-    The first fields are the ``evaluate`` section's keys (defaults: the schema's;
-    tests/test_config.py checks they agree): ``settings(EvalSettings, cfg["evaluate"], ...)``.
+    The first fields are the ``evaluate`` section's keys and ``seed``, their defaults the schema's:
+    ``settings(EvalSettings, cfg["evaluate"], seed=..., ...)``.
 
     ``methods``: names from :mod:`.methods` (empty: its defaults, less those whose model is not
     given). ``lossless`` (greedy only): ``"exact"`` (DFlash must equal AR token for token),
     ``"ties"`` (as exact, except divergences at numerical near-ties of the target's logits;
     tolerance ``tie_tolerance``, default :func:`default_tie_tolerance` of the dtype) or
     ``"report"`` (as ties, but never fails). ``target_step``: how the DFlash and AR loops run the
-    target (:data:`.spec_decode.TARGET_STEPS`): ``auto`` = a static KV cache with
+    target (:data:`dflashpipe.decode.speculative.TARGET_STEPS`): ``auto`` = a static KV cache with
     CUDA-graph-captured steps on a GPU where the model's layout allows it, HF's ``DynamicCache``
     otherwise; recorded in the summary.
 
@@ -75,16 +67,19 @@ class EvalSettings:
     Flash / memory-efficient attention plan nothing per shape.
     """
 
-    # the config's `evaluate` section
-    num_prompts: int | None = 50
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    methods: list = field(default_factory=lambda: list(DEFAULT_METHODS))
-    prompt_lookup_num_tokens: int = 10
-    lossless: str = "ties"
-    target_step: str = "auto"
-    # from other sections of the config
-    seed: int = 0
+    JOB_KEYS = ("threads",)  # the job's threads
+
+    # the config's `evaluate` section (defaults: the schema's)
+    num_prompts: int | None
+    max_new_tokens: int
+    temperature: float
+    methods: list
+    prompt_lookup_num_tokens: int
+    lossless: str
+    target_step: str
+    # from other sections of the config: the top-level seed (default: the schema's), and
+    # expand.chat_template_kwargs (passed by name; the decorator takes defaults of `evaluate` keys only)
+    seed: int
     chat_template_kwargs: dict = field(default_factory=dict)
     # not in the config
     tie_tolerance: float | None = None

@@ -40,7 +40,7 @@ from collections import Counter, deque
 import torch
 import torch.nn.functional as F
 
-from dflashpipe.cuda_graph import capture
+from dflashpipe.decode.cuda_graph import capture
 
 #: attention implementations of the decode step ("auto": flex on a GPU, dense elsewhere)
 ATTENTION_MODES = ("auto", "flex", "dense")

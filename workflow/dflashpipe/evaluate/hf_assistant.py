@@ -19,7 +19,7 @@ evaluator's ``hf_dflash`` method runs); :func:`export_hf_assistant` writes it as
 a directory that ``transformers.AutoModel.from_pretrained`` loads without remote
 code::
 
-    python -m dflashpipe.drafter.hf_assistant results/drafter results/drafter_transformers
+    python -m dflashpipe.evaluate.hf_assistant results/drafter results/drafter_transformers
 """
 
 from __future__ import annotations
@@ -31,10 +31,9 @@ from pathlib import Path
 import torch
 
 from dflashpipe.atomic import atomic_path
+from dflashpipe.drafter.export import CONFIG_NAME, WEIGHTS_NAME, layer_shape_config, load_drafter
+from dflashpipe.drafter.model import DrafterConfig
 from dflashpipe.errors import UserError
-
-from .export import CONFIG_NAME, WEIGHTS_NAME, layer_shape_config, load_drafter
-from .model import DrafterConfig
 
 MODEL_TYPE = "muse_glimmer_assistant"
 ARCHITECTURE = "MuseGlimmerAssistantModel"
@@ -195,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(
-        prog="python -m dflashpipe.drafter.hf_assistant",
+        prog="python -m dflashpipe.evaluate.hf_assistant",
         description="Write a DFlash drafter export as transformers' MuseGlimmerAssistantModel directory.",
     )
     ap.add_argument("drafter_dir", help="the drafter export (config.json + model.safetensors)")

@@ -1,4 +1,4 @@
-"""Capture a step as a CUDA graph: the one routine the decoders share (slot_decode, evaluate.static_*)."""
+"""Capture a step as a CUDA graph: the one routine the decoders share (:mod:`.slots`, :mod:`.static_target`, :mod:`.static_drafter`)."""
 
 from __future__ import annotations
 

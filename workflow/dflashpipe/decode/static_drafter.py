@@ -15,7 +15,7 @@ the captured verify. Here both are captured once:
   verified prefix: the rejected positions past it are hidden, then overwritten by
   the next update, which starts exactly there.
 
-:class:`StaticDrafterRunner` has :class:`~dflashpipe.evaluate.spec_decode.DrafterRunner`'s
+:class:`StaticDrafterRunner` has :class:`~dflashpipe.decode.speculative.DrafterRunner`'s
 interface (``new_cache``, ``extend``, ``propose``). The prompt's context (variable
 length) is written uncaptured. On the CPU nothing is captured.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from dflashpipe.cuda_graph import capture
+from dflashpipe.decode.cuda_graph import capture
 
 
 class StaticDrafterRunner:

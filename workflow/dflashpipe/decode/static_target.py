@@ -21,7 +21,7 @@ of the weights' memory-bound time). The prefill (variable length) runs the same 
 uncaptured. On the CPU nothing is captured (the static cache still runs, which is
 how the tests compare it with the dynamic path).
 
-:class:`StaticTargetRunner` has :class:`~dflashpipe.evaluate.spec_decode.TargetRunner`'s
+:class:`StaticTargetRunner` has :class:`~dflashpipe.decode.speculative.TargetRunner`'s
 interface (``new_cache``, ``forward``, ``keep``), so both decoders use either.
 Outputs of a captured step live in static buffers: read them before the next call.
 """
@@ -32,8 +32,8 @@ import inspect
 
 import torch
 
-from dflashpipe.cuda_graph import capture
-from dflashpipe.drafter.features import _layer_types, has_standard_layout
+from dflashpipe.decode.cuda_graph import capture
+from dflashpipe.drafter.features import has_standard_layout, layer_types_of
 
 
 class StaticKV:
@@ -65,10 +65,10 @@ def supports_static(model) -> str | None:
     """None if :class:`StaticTargetRunner` can drive ``model``; else why not (one phrase)."""
     if not has_standard_layout(model):
         return f"{type(model).__name__} does not have the standard HF decoder layout"
-    types = set(_layer_types(model.model))
+    types = set(layer_types_of(model.model))
     if types != {"full_attention"}:
         return f"layer types {sorted(types)} (only full attention is supported)"
-    from dflashpipe.slot_decode import host_synced_rope
+    from dflashpipe.decode.slots import host_synced_rope
 
     return host_synced_rope(model.config)
 
