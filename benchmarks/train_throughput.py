@@ -126,10 +126,6 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
     from dflashpipe.drafter.train import TrainConfig, resolve_device
 
     cuda = a.device.startswith("cuda")
-    if a.activation_budget is not None:  # the min-cut partitioner recomputes in the backward to stay under it
-        import torch._functorch.config
-
-        torch._functorch.config.activation_memory_budget = a.activation_budget
     shapes = TINY if a.tiny else QWEN3_8B
     S = 256 if a.tiny else a.seq_len
     N = 16 if a.tiny else a.anchors
@@ -191,7 +187,7 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
         return {k: 1000 * v / len(batches) for k, v in split.items()}
 
     result = {"ranks": world, "optimizer": a.optimizer, "ddp_at_one_rank": bool(a.ddp and world == 1),
-              "activation_memory_budget": a.activation_budget,
+              "activation_memory_budget": cfg.activation_memory_budget,
               "recipe": {"arch": cfg.arch, "loss": cfg.loss, **overrides(a.set)}, "shapes": shapes, "seq_len": S, "anchors": N, "block_size": bs,
               "drafter_layers": a.layers, "target_layers_run": max(dcfg.target_layer_ids) + 1,
               "target_layers_dropped": dropped, "torch": torch.__version__,
@@ -307,8 +303,6 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", action="store_true", help="same as --compile none")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="train/drafter settings of the step (e.g. arch=dflash loss=ce); default: the schema's")
-    p.add_argument("--activation-budget", type=float, default=None,
-                   help="torch._functorch.config.activation_memory_budget for the compiled graphs (1.0: save all)")
     p.add_argument("--ddp", action="store_true", help="K = 1 through DDP + ZeRO-1 anyway (the path before it went plain)")
     p.add_argument("--cache", default=None, help="compile cache dir to share between calls (default: a fresh one)")
     p.add_argument("--out", default=None)

@@ -133,9 +133,9 @@ def apply_compile_mode(setup: Setup, drafter) -> None:
         forbid_dense_flex()
         torch._dynamo.config.optimize_ddp = False
     if setup.compile != "none":  # read when AOTAutograd partitions a graph (and part of its cache key)
-        import torch._functorch.config
+        from torch._functorch import config as functorch_config
 
-        torch._functorch.config.activation_memory_budget = setup.activation_memory_budget
+        functorch_config.activation_memory_budget = setup.activation_memory_budget
 
 
 def lr_at(step: int, total_steps: int, cfg) -> float:
