@@ -32,7 +32,9 @@ RECIPES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
+# one recipe in the CI suite (the other non-default features), both with -m slow (~70 s each)
+@pytest.mark.parametrize("name", [n if n == "dflash_ce_dpace_swa" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(RECIPES)])
 def test_recipe_trains_exports_and_evaluates_through_snakemake(mini_copy, name):
     work, cfg_path = mini_copy
     cfg = yaml.safe_load(cfg_path.read_text())

@@ -4,6 +4,7 @@ import json
 
 import datasets
 import pandas as pd
+import pytest
 
 from conftest import mini_config, planned_after_edit, planned_rules, snakemake, write_config
 
@@ -79,6 +80,7 @@ def test_target_path_that_is_not_a_model(mini_run, tmp_path):
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.slow  # ~50 s: a second whole run in a moved checkout
 def test_moving_the_checkout_reruns_nothing(tmp_path):
     """A checkout run in place (results inside it), then moved or renamed: nothing is planned again.
     (Snakemake keys a job's input set by path strings: the code inputs are relative to the checkout.)"""
