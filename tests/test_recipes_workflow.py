@@ -32,9 +32,10 @@ RECIPES = {
 }
 
 
-# one recipe in the CI suite (the other non-default features), both with -m slow (~70 s each)
-@pytest.mark.parametrize("name", [n if n == "dflash_ce_dpace_swa" else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in sorted(RECIPES)])
+# ~75 s each: with -m slow (tests/test_recipes.py checks the recipes' losses and models without Snakemake;
+# the default recipe goes through Snakemake in every workflow test)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RECIPES))
 def test_recipe_trains_exports_and_evaluates_through_snakemake(mini_copy, name):
     work, cfg_path = mini_copy
     cfg = yaml.safe_load(cfg_path.read_text())

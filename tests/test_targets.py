@@ -134,29 +134,31 @@ def user_config(work: Path, target: Path, **overrides) -> Path:
 
 def _llama_user(micro_target, tmp_path):
     """A Llama-family target whose tokenizer has no mask token and no spare row, the user's datasets
-    only; returns (work dir, target, config with one of the suggested mask tokens set, its id)."""
+    only; returns (work dir, target, the id of the mask token the refusal suggests)."""
     target = make_target(tmp_path / "llama", micro_target, "llama", template=WITH_DEFAULT_SYSTEM)
     work = tmp_path / "wf"
     work.mkdir()
     mask_id = json.loads((target / "tokenizer.json").read_text())["added_tokens"][3]["id"]  # <|mask|>
-    return work, target, user_config(work, target, drafter={"mask_token_id": mask_id}), mask_id
+    return work, target, mask_id
 
 
 def test_a_users_llama_target_without_a_mask_token_is_refused_in_one_line_then_plans_its_datasets(micro_target, tmp_path):
     """Refused before anything runs, with the candidates; with one of them set, the plan runs the
     user's datasets only."""
-    work, target, cfg, _ = _llama_user(micro_target, tmp_path)
+    work, target, mask_id = _llama_user(micro_target, tmp_path)
     res = snakemake(work, "-n", "--configfile", str(user_config(work, target)))
     assert res.returncode != 0 and "Traceback" not in res.stderr
     (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("ERROR:")]
     assert line.startswith("ERROR: drafter.mask_token_id: the target in") and "'<|mask|>'" in line
+    cfg = user_config(work, target, drafter={"mask_token_id": mask_id})  # the same file, now with the fix
     plan = planned_rules(work, "--configfile", str(cfg))
     assert plan["prompts"] == 2 and plan["expand_shard"] == 1 and plan["evaluate"] == 1  # no shipped dataset
 
 
 @pytest.mark.slow  # ~90 s on 2 cores: the whole pipeline on the user's target and datasets
 def test_a_users_llama_target_and_datasets_run_end_to_end(micro_target, tmp_path):
-    work, _, cfg, mask_id = _llama_user(micro_target, tmp_path)
+    work, target, mask_id = _llama_user(micro_target, tmp_path)
+    cfg = user_config(work, target, drafter={"mask_token_id": mask_id})
     res = snakemake(work, "--cores", "2", "--configfile", str(cfg))
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(p.stem for p in (work / "results/prompts").glob("*.parquet")) == ["mine", "mine_eval"]
