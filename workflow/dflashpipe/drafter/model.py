@@ -369,8 +369,8 @@ class Attention(nn.Module):
         groups = self.n_heads // self.n_kv
         if isinstance(attn, BlockMask):
             out = self.flex_fn(q, k, v, block_mask=attn, enable_gqa=groups > 1)
-        elif attn is None:
-            out = F.scaled_dot_product_attention(q, _repeat_kv(k, groups), _repeat_kv(v, groups))
+        elif attn is None:  # inference: the block sees all its context and itself
+            out = F.scaled_dot_product_attention(q, k, v, enable_gqa=groups > 1)
         else:
             out = sdpa_masked(q, k, v, attn, groups)
         return self.o_proj(out.transpose(1, 2).reshape(B, Q, self.n_heads * self.head_dim))
@@ -401,11 +401,10 @@ def _grouped_causal_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Ten
     B, L, H = x.shape
     K, G = base.shape[0], dynamic.shape[-1]
     blocks = x.reshape(B * (L // block_size), block_size, G, H // G)
-    dyn = dynamic.reshape(B * (L // block_size), block_size, K, G, 1)
-    out = torch.zeros_like(blocks)
-    for o in range(K):
-        shifted = blocks if o == 0 else F.pad(blocks[:, :-o], (0, 0, 0, 0, o, 0))
-        out = out + (base[o].view(G, H // G).to(x.dtype) + dyn[:, :, o]) * shifted
+    kernel = dynamic.reshape(B * (L // block_size), block_size, K, G, 1) + base.view(K, G, H // G).to(x.dtype)
+    out = kernel[:, :, 0] * blocks
+    for o in range(1, K):
+        out = out + kernel[:, :, o] * F.pad(blocks[:, :-o], (0, 0, 0, 0, o, 0))
     return out.reshape(B, L, H)
 
 
@@ -489,14 +488,23 @@ class CandidateSelector(nn.Module):
         return unary.float() + pair.float()
 
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
-        """Greedy path: hidden [B, P, H], logits [B, P, V], anchor_ids [B] -> tokens [B, P], position by position."""
-        unary, candidates = torch.topk(logits, self.top_k, dim=-1)
-        previous, path = anchor_ids, []
+        """Greedy path: hidden [B, P, H], logits [B, P, V], anchor_ids [B] -> tokens [B, P], position by position.
+
+        The scores of every position's candidates after every candidate of the position before it
+        (the anchor for position 0) come from one batched product, a [B, P, k, k] table; the path
+        then only picks a row per position (a few small ops each, no host sync: CUDA graphs capture it).
+        """
+        unary, candidates = torch.topk(logits, self.top_k, dim=-1)  # [B, P, k]
+        proj = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))  # [B, P, rank]
+        before = torch.cat([anchor_ids[:, None, None].expand(-1, 1, self.top_k), candidates[:, :-1]], dim=1)
+        query = (self.predecessor_codebook[before] * proj.unsqueeze(2)).to(self.successor_codebook.dtype)
+        pair = query @ self.successor_codebook[candidates].transpose(-1, -2)  # [B, P, k before, k candidates]
+        table = unary.float().unsqueeze(2) + pair.float()
+        row, path = torch.zeros_like(anchor_ids), []  # position 0: every row of `before` is the anchor
         for i in range(hidden.shape[1]):
-            best = self.scores(hidden[:, i], unary[:, i], candidates[:, i], previous).argmax(dim=-1)
-            previous = candidates[:, i].gather(-1, best[:, None])[:, 0]
-            path.append(previous)
-        return torch.stack(path, dim=1)
+            row = table[:, i].gather(1, row[:, None, None].expand(-1, 1, self.top_k))[:, 0].argmax(dim=-1)
+            path.append(row)
+        return candidates.gather(-1, torch.stack(path, dim=1)[..., None])[..., 0]
 
 
 # ---------------------------------------------------------------------------
