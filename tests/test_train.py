@@ -318,3 +318,34 @@ def test_loss_decreases(micro_target, micro_tokenized, tmp_path):
 
     model, dcfg = load_drafter(export_final(a["final_state"], micro_target, tmp_path / "drafter", log=quiet))
     assert dcfg.block_size == 4 and dcfg.num_hidden_layers == 1 and dcfg.mask_token_id == 3
+
+
+# -- 7. the target's outputs, kept across epochs -----------------------------------------
+
+
+def test_cached_target_outputs_train_the_same_drafter_with_fewer_target_forwards(micro_target, micro_tokenized,
+                                                                                  tmp_path, monkeypatch):
+    """train.cache_target_features: from the second epoch on, the target's features come from the cache;
+    the drafter, every loss and the held-out figures stay the same bit for bit (so the key reruns nothing)."""
+    import dflashpipe.drafter.step as step
+
+    calls = []
+    real = step.context_features
+
+    def counting(target, input_ids, *a, **k):
+        calls.append(input_ids.shape[0])
+        return real(target, input_ids, *a, **k)
+
+    monkeypatch.setattr(step, "context_features", counting)
+    runs = {}
+    for cache in (False, True):
+        calls.clear()
+        cfg = TrainConfig(**{**BASE, "loss": "kl"}, epochs=2.5, checkpoint_every=100, cache_target_features=cache)
+        a = rank_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 1, f"rdzv{cache}", f"cache{cache}")
+        s = train_rank(cfg, **a, log=quiet)
+        runs[cache] = (weights(Path(a["final_state"]).parent), read_metrics(a["metrics_csv"]), s, len(calls))
+    (w0, m0, s0, n0), (w1, m1, s1, n1) = runs[False], runs[True]
+    steps = len(m0)
+    assert steps >= 4 and s0["heldout_loss"] == s1["heldout_loss"]
+    assert max_diff(w0, w1) == 0.0 and [r["loss"] for r in m0] == [r["loss"] for r in m1]
+    assert n0 > steps and n1 <= n0 - steps // 2  # the later epochs' batches ran no target forward

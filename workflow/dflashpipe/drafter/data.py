@@ -79,14 +79,16 @@ class Batch:
     anchors: torch.Tensor  # [B, N] long
     keep: torch.Tensor  # [B, N] bool
     num_tokens: int  # real (non-pad) tokens
+    index: tuple[int, ...] | None = None  # the rows' dataset indices (None: not known, e.g. padded rows)
 
 
 def make_batch(rows: dict, seq_len: int, seeds: list[int], pad_id: int, num_anchors: int, block_size: int,
-               device: torch.device, pad_rows_to: int = 0) -> Batch:
+               device: torch.device, pad_rows_to: int = 0, index=None) -> Batch:
     """Collate tokenized rows (dict of columns) into a padded batch with per-sample anchors.
 
     Sample i's anchors come from its own generator seeded with ``seeds[i]``;
-    ``pad_rows_to`` appends empty rows (no loss) for a fixed batch shape.
+    ``pad_rows_to`` appends empty rows (no loss) for a fixed batch shape. ``index``: the rows' dataset
+    indices (what :class:`~dflashpipe.drafter.features.TargetCache` keys the target's outputs by).
     """
     n = len(rows["input_ids"])
     B = max(n, pad_rows_to)
@@ -103,4 +105,6 @@ def make_batch(rows: dict, seq_len: int, seeds: list[int], pad_id: int, num_anch
         anchors.append(a)
         keep.append(k)
     num_tokens = int(sum(min(len(x), seq_len) for x in rows["input_ids"]))
-    return Batch(ids.to(device), lm.to(device), torch.cat(anchors).to(device), torch.cat(keep).to(device), num_tokens)
+    index = tuple(int(i) for i in index) if index is not None and B == n else None
+    return Batch(ids.to(device), lm.to(device), torch.cat(anchors).to(device), torch.cat(keep).to(device), num_tokens,
+                 index)

@@ -50,7 +50,7 @@ def heldout_figures(drafter, target, ds, heldout_idx: np.ndarray, buckets: np.nd
                 idx = members[s : s + setup.rank_batch]
                 seeds = [sample_seed(seed, HELDOUT_SALT, int(i)) for i in idx]  # fixed per sample
                 batch = make_batch(ds[idx.tolist()], int(b), seeds, pad_id, setup.num_anchors, setup.block_size,
-                                   setup.device, pad_rows_to=setup.rank_batch)
+                                   setup.device, pad_rows_to=setup.rank_batch, index=idx)
                 sums[:4] += torch.stack(forward_loss(drafter, target, batch, setup)).float()
                 sums[4:] += acceptance_sums(drafter, seen.pop("hidden"), target, batch, setup)
     finally:

@@ -24,7 +24,7 @@ from dflashpipe.errors import UserError
 
 from .data import PRIME_SALT, make_batch, sample_seed
 from .distributed import all_reduce_
-from .features import compiled_target_layer, context_features
+from .features import TargetCache, compiled_target_layer, context_features
 from .loss import EAGER_CE, ChunkCE, Objective, block_loss, compiled_chunk_ce, selector_loss
 from .masks import block_mask, block_position_ids, build_block_inputs, default_gamma, dense_mask, dpace_weights
 from .model import resolve_layer_types
@@ -58,6 +58,7 @@ class Setup:
     activation_memory_budget: float = 1.0  # of the compiled graphs (1: save what the backward reads)
     windows: dict = field(default_factory=lambda: {"full_attention": None})  # layer type -> sliding window
     target_layer: Callable | None = field(default=None, repr=False)  # None: eager target layers
+    target_cache: TargetCache | None = field(default=None, repr=False)  # train.cache_target_features
     chunk_ce: ChunkCE = field(default=EAGER_CE, repr=False)
 
 
@@ -102,6 +103,7 @@ def resolve_setup(cfg, device: str, mask_token_id: int, layer_ids: list[int], wo
         windows={t: (cfg.sliding_window if t == "sliding_attention" else None) for t in layer_types},
         target_layer=compiled_target_layer() if layers else None,  # torch.compile is lazy: nothing compiles here
         chunk_ce=compiled_chunk_ce() if layers else EAGER_CE,
+        target_cache=TargetCache() if cfg.cache_target_features else None,
     )
 
 
@@ -180,6 +182,20 @@ def _dpace_reweight(weights: torch.Tensor, bs: int):
     return reweight
 
 
+def _target_outputs(target, batch, setup: Setup, final: bool):
+    """The frozen target's (context features, final hidden or None) of a batch; from the setup's
+    :class:`TargetCache` when it holds the batch's samples."""
+
+    def compute():
+        # Right padding: real tokens never see the pad after them, so no attention mask.
+        out = context_features(target, batch.input_ids, None, setup.layer_ids, layer_fn=setup.target_layer, final=final)
+        return out if final else (out, None)
+
+    if setup.target_cache is None:
+        return compute()
+    return setup.target_cache.outputs(batch.index, compute)
+
+
 def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
     """Local (sum w*loss, sum w*correct, sum of the loss's weights, sum w) of one batch; the loss sum
     carries the gradient. ``w``: the fixed decay weights (accuracy always uses them; the loss
@@ -194,12 +210,9 @@ def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
     drafter = getattr(model, "module", model)
     selector = getattr(drafter, "candidate_selector", None) if setup.selector_weight > 0 else None
     with torch.no_grad():
-        # Right padding: real tokens never see the pad after them, so no attention mask.
-        target_hidden = context_features(target, batch.input_ids, None, setup.layer_ids, layer_fn=setup.target_layer,
-                                         final=obj.needs_teacher)
+        target_hidden, final = _target_outputs(target, batch, setup, obj.needs_teacher)
         teacher = None
         if obj.needs_teacher:  # the target's last hidden state at the position before each label
-            target_hidden, final = target_hidden
             rows = _rows_before_labels(batch.anchors, S, bs)
             teacher = final.gather(1, rows[..., None].expand(-1, -1, final.shape[-1]))
             del final

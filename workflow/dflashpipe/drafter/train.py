@@ -84,6 +84,7 @@ class TrainConfig:
     tv_weight: float  # + that multiple of the total variation to the target (or the label)
     position_weights: str  # decay (exp(-(k-1)/gamma), the paper) | dpace
     selector_weight: float  # dflash2: the candidate selector's loss, relative to the token loss
+    cache_target_features: bool  # keep the frozen target's outputs per sample for later epochs (small targets)
     attention: str  # auto: flex on CUDA, sdpa (dense mask) on CPU
     compile: str  # flex path (CUDA): layers | flex (flex_attention alone) | none (guard stops it)
     activation_memory_budget: float  # < 1: the compiled backward recomputes instead of saving (less memory)
@@ -263,7 +264,7 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
             idx = rank_slice(epoch_cache[epoch][pos], rank, K)
             seeds = [sample_seed(cfg.seed, TRAIN_SALT, epoch, step, int(i)) for i in idx]
             batch = make_batch(ds[idx.tolist()], int(buckets[idx[0]]), seeds, pad_id, setup.num_anchors,
-                               setup.block_size, dev)
+                               setup.block_size, dev, index=idx)
             lr = lr_at(step - 1, total_steps, cfg)
 
             out = train_step(model, target, opt, batch, lr, setup)
