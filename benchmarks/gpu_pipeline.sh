@@ -10,7 +10,7 @@ shift
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
 start=$(date +%s)
-timeout "${PIPELINE_TIMEOUT_S:-540}" snakemake --cores 8 --resources gpu=1 \
+timeout "${PIPELINE_TIMEOUT_S:-540}" python3 -m snakemake --cores 8 --resources gpu=1 \
   --configfile config/config.yaml config/gpu_1x_tiny.yaml "$@" > "$out/snakemake.log" 2>&1
 rc=$?
 echo "snakemake rc $rc, wall $(( $(date +%s) - start )) s"
