@@ -349,3 +349,23 @@ def test_cached_target_outputs_train_the_same_drafter_with_fewer_target_forwards
     assert steps >= 4 and s0["heldout_loss"] == s1["heldout_loss"]
     assert max_diff(w0, w1) == 0.0 and [r["loss"] for r in m0] == [r["loss"] for r in m1]
     assert n0 > steps and n1 <= n0 - steps // 2  # the later epochs' batches ran no target forward
+
+
+def test_the_target_cache_stops_growing_at_its_memory_limit():
+    from dflashpipe.drafter.features import TargetCache
+
+    cache, runs = TargetCache(max_bytes=2 * 4 * 16 * 4), []  # room for two batches of 4 rows of 16 floats
+
+    def compute(batch):
+        def run():
+            runs.append(batch)
+            return torch.full((4, 16), float(batch)), None
+        return run
+
+    for b in range(3):
+        feats, _ = cache.outputs(tuple(range(4 * b, 4 * b + 4)), compute(b))
+        assert feats[0, 0].item() == b
+    assert len(cache) == 8 and cache.nbytes == 2 * 4 * 16 * 4  # the third batch ran but was not kept
+    for b in range(3):
+        assert cache.outputs(tuple(range(4 * b, 4 * b + 4)), compute(b))[0][0, 0].item() == b
+    assert runs == [0, 1, 2, 2]  # read back: the two kept batches; run again: the third

@@ -171,20 +171,21 @@ class TargetCache:
 
     The target never changes during training, so a sample's context features (and, for distillation,
     its final hidden states) are the same every time the sample comes back. A batch whose rows are all
-    held is read from here; any other batch runs the target and stores its rows. Memory: per sample,
-    bucket length x (taps + 1) x hidden values in the target's dtype (the shipped tiny default:
-    ~0.2 GB for ~750 samples); meant for small targets, where the target's forward is a large part
-    of a step (on 2 CPU cores, a quarter of it).
+    held is read from here; any other batch runs the target and stores its rows while the cache holds
+    less than ``max_bytes`` (then it stops growing: a config written for a big target that inherits the
+    key cannot fill the memory). Per sample: bucket length x (taps + 1) x hidden values in the target's
+    dtype (the shipped tiny default: ~0.25 GB for ~750 samples); meant for small targets, where the
+    target's forward is a large part of a step (on 2 CPU cores, a quarter of it).
     """
 
-    def __init__(self):
+    MAX_BYTES = 2 << 30
+
+    def __init__(self, max_bytes: int = MAX_BYTES):
         self.rows: dict[int, tuple] = {}
+        self.max_bytes, self.nbytes = int(max_bytes), 0
 
     def __len__(self) -> int:
         return len(self.rows)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for row in self.rows.values() for t in row if t is not None)
 
     def outputs(self, index, compute):
         """``compute()``'s result for the batch of dataset rows ``index``: (features, final or None)."""
@@ -192,7 +193,9 @@ class TargetCache:
             rows = [self.rows[i] for i in index]
             return torch.stack([r[0] for r in rows]), (torch.stack([r[1] for r in rows]) if rows[0][1] is not None else None)
         feats, final = compute()
-        if index is not None:
+        size = sum(t.numel() * t.element_size() for t in (feats, final) if t is not None)
+        if index is not None and self.nbytes + size <= self.max_bytes:
             for k, i in enumerate(index):
                 self.rows[i] = (feats[k].clone(), final[k].clone() if final is not None else None)
+            self.nbytes += size
         return feats, final
