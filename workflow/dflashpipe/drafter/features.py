@@ -173,7 +173,7 @@ class TargetCache:
     its final hidden states) are the same every time the sample comes back. A batch whose rows are all
     held is read from here; any other batch runs the target and stores its rows while the cache holds
     less than ``max_bytes`` (then it stops growing: a config written for a big target that inherits the
-    key cannot fill the memory). Per sample: bucket length x (taps + 1) x hidden values in the target's
+    key cannot fill the memory). Per sample: bucket length x taps (+1 with KL) x hidden values in the target's
     dtype (the shipped tiny default: ~0.25 GB for ~750 samples); meant for small targets, where the
     target's forward is a large part of a step (on 2 CPU cores, a quarter of it).
     """
