@@ -120,10 +120,9 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
 
     from dflashpipe.drafter.data import make_batch
     from dflashpipe.drafter.distributed import data_parallel, gather, init_dist, adamw
-    from dflashpipe.drafter.features import trim_unused_layers
     from dflashpipe.drafter.model import ARCH_KEYS, DFlashDrafter, DrafterConfig
     from dflashpipe.drafter.step import apply_compile_mode, resolve_setup, train_step
-    from dflashpipe.drafter.train import TrainConfig, resolve_device
+    from dflashpipe.drafter.train import TrainConfig, prepare_target, resolve_device
 
     cuda = a.device.startswith("cuda")
     shapes = TINY if a.tiny else QWEN3_8B
@@ -140,8 +139,7 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
     # the architecture keys (arch, layer_types, dflash2's) from the same settings, as training builds it
     dcfg = DrafterConfig.from_target_config(tcfg, a.layers, bs, mask_id, **{k: getattr(cfg, k) for k in ARCH_KEYS})
     setup = resolve_setup(cfg, str(dev), mask_id, dcfg.target_layer_ids, world)  # one sequence per GPU
-    # distillation (train.loss: kl) reads the target's last layer and LM head: trimmed only without it, as in training
-    dropped = [] if setup.objective.needs_teacher else trim_unused_layers(target, dcfg.target_layer_ids)
+    prepared = prepare_target(target, cfg, setup, dcfg.target_layer_ids)  # trimmed (and in FP8) as training runs it
     mem = {}
     if cuda:
         torch.cuda.empty_cache()
@@ -190,7 +188,7 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
               "activation_memory_budget": cfg.activation_memory_budget,
               "recipe": {"arch": cfg.arch, "loss": cfg.loss, **overrides(a.set)}, "shapes": shapes, "seq_len": S, "anchors": N, "block_size": bs,
               "drafter_layers": a.layers, "target_layers_run": max(dcfg.target_layer_ids) + 1,
-              "target_layers_dropped": dropped, "torch": torch.__version__,
+              "target_layers_dropped": prepared["layers_dropped"], "target_fp8": prepared.get("fp8"), "torch": torch.__version__,
               "device": torch.cuda.get_device_name(0) if cuda else "cpu",
               "compile": setup.compile if setup.attention == "flex" else "none (sdpa)"}
     try:

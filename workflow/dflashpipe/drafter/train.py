@@ -43,6 +43,7 @@ from .distributed import (
     init_dist,
 )
 from .features import trim_unused_layers
+from .fp8 import check_fp8_device, quantize_decoder_linears
 from .heldout import heldout_figures
 from .model import ARCH_FIELDS, ARCH_KEYS, DFlashDrafter, DrafterConfig
 from .step import apply_compile_mode, compile_signature, lr_at, prime_buckets, resolve_setup, train_step
@@ -85,6 +86,7 @@ class TrainConfig:
     position_weights: str  # decay (exp(-(k-1)/gamma), the paper) | dpace
     selector_weight: float  # dflash2: the candidate selector's loss, relative to the token loss
     cache_target_features: bool  # keep the frozen target's outputs per sample for later epochs (small targets)
+    target_fp8: bool  # the target's decoder-layer linears in FP8 for its forward (.fp8)
     attention: str  # auto: flex on CUDA, sdpa (dense mask) on CPU
     compile: str  # flex path (CUDA): layers | flex (flex_attention alone) | none (guard stops it)
     activation_memory_budget: float  # < 1: the compiled backward recomputes instead of saving (less memory)
@@ -115,12 +117,13 @@ def build(cfg: TrainConfig, target_dir: str, dev: torch.device, world_size: int)
 
     early = resolve_setup(cfg, str(dev), 0, [0], world_size)  # validates attention/dtype/batch before the slow load
     mask_id, _ = resolve_mask_token(target_dir, cfg.mask_token_id)  # the rule the start-up check applied
+    if cfg.target_fp8:
+        check_fp8_device(dev)
     target, tokenizer = load_target(target_dir, str(dev), early.target_dtype)
     dcfg = DrafterConfig.from_target_config(target.config, cfg.num_layers, cfg.block_size, mask_id, cfg.target_layer_ids,
                                             **{k: getattr(cfg, k) for k in ARCH_KEYS})
     setup = resolve_setup(cfg, str(dev), dcfg.mask_token_id, dcfg.target_layer_ids, world_size)
-    if not setup.objective.needs_teacher:  # distillation reads the target's last layer and LM head
-        trim_unused_layers(target, dcfg.target_layer_ids)
+    prepare_target(target, cfg, setup, dcfg.target_layer_ids)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
@@ -128,6 +131,15 @@ def build(cfg: TrainConfig, target_dir: str, dev: torch.device, world_size: int)
     drafter = DFlashDrafter(dcfg).to(dev).train()  # fp32 master weights
     apply_compile_mode(setup, drafter)
     return target, dcfg, setup, drafter, pad_id
+
+
+def prepare_target(target, cfg: TrainConfig, setup, layer_ids) -> dict:
+    """The loaded target as training runs it: trimmed to the tapped layers (unless distillation reads
+    its last layer and LM head) and, with ``train.target_fp8``, its decoder linears in FP8."""
+    done = {"layers_dropped": 0 if setup.objective.needs_teacher else trim_unused_layers(target, layer_ids)}
+    if cfg.target_fp8:
+        done["fp8"] = quantize_decoder_linears(target)
+    return done
 
 
 def warm_compile(cfg: TrainConfig, tokenized_dir: str, target_dir: str, device: str, world_size: int,
