@@ -121,9 +121,10 @@ def batch1(a, target, tcfg, dev) -> dict:
         target.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, temperature=None, top_p=None,
                         top_k=None, pad_token_id=0)
 
-    res["hf_generate_ms_per_token"] = 1e3 * timed(hf, dev, reps=3, warm=1) / new
-
-    runners = [("dynamic", TargetRunner(target, dcfg.target_layer_ids))]
+    runners = []
+    if a.eager:
+        res["hf_generate_ms_per_token"] = 1e3 * timed(hf, dev, reps=3, warm=1) / new
+        runners.append(("dynamic", TargetRunner(target, dcfg.target_layer_ids)))
     for name, comp in (("static", False), ("static_compiled", True)):
         if name in a.static_modes.split(","):
             runners.append((name, StaticTargetRunner(target, dcfg.target_layer_ids, capacity=P + new + 2 * bs,
@@ -157,6 +158,7 @@ def batch1(a, target, tcfg, dev) -> dict:
         dec.draft.extend(dcache, feats, 0, P)
         last = torch.tensor([[prompt[-1]]], device=dev)
         res[f"draft_{name}_ms"] = 1e3 * timed(lambda dec=dec, dcache=dcache, last=last: dec._propose(dcache, prompt, last), dev)
+        print(json.dumps({k: v for k, v in res.items() if name in k}), flush=True)  # a run cut short keeps these
 
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     res["target_weight_gb"] = weight_bytes / 1e9
@@ -164,9 +166,9 @@ def batch1(a, target, tcfg, dev) -> dict:
         bw = copy_bandwidth(dev)
         res["copy_bandwidth_gb_s"] = bw / 1e9
         res["memory_bound_ms_per_token"] = 1e3 * weight_bytes / bw
-        for name, _ in runners[1:]:
+        for name, _ in runners[1 if a.eager else 0:]:
             res[f"ar_{name}_fraction_of_limit"] = res["memory_bound_ms_per_token"] / res[f"ar_{name}_ms_per_token"]
-    for name, _ in runners[1:]:
+    for name, _ in runners[1 if a.eager else 0:]:
         res[f"dflash_block_over_ar_{name}"] = res[f"dflash_block_{name}_ms"] / res[f"ar_{name}_ms_per_token"]
     return res
 
@@ -292,6 +294,8 @@ def main() -> None:
     ap.add_argument("--cb-timeout", type=float, default=150)
     ap.add_argument("--parts", default="batch1,expand")
     ap.add_argument("--static-modes", default="static,static_compiled")
+    ap.add_argument("--no-eager", dest="eager", action="store_false",
+                    help="batch1: skip HF generate and the dynamic (eager) loops: only the static modes")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = a.device

@@ -77,7 +77,8 @@ def train_config(a, compile=None):
 
 def phase(name: str, work: Path, a) -> dict:
     """Run one phase in THIS (fresh) process."""
-    from dflashpipe.hotstart import hot_start, seed_slot_cache, use_slot_cache, write_stamp  # no torch import yet
+    from dflashpipe.hotstart import hot_start, seed_slot_cache, write_stamp  # no torch import yet
+    from dflashpipe.lease import use_slot_cache
 
     t0 = time.time()
     slot = 1 if name == "seeded" else 0

@@ -15,6 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 
+from dflashpipe.drafter.fp8 import check_fp8_device  # noqa: E402
+
 try:
     import pytest
 except ImportError:  # run as a script on a box without pytest
@@ -63,6 +65,7 @@ def test_captured_target_and_drafter_steps_decode_like_the_eager_loop():
         verify = target_runner(target, step, dcfg.target_layer_ids, 256, graph_sizes=(BS,))
         assert verify.mode.startswith("static+cuda_graphs")
         dflash = DFlashDecoder(target, drafter, dcfg, ends, runner=verify, draft_runner=drafter_runner(drafter, verify, step, 256))
+        assert dflash.draft.mode == verify.mode  # the drafter's pieces compiled when the target's steps are
         accepted = []
         for prompt in _prompts(target.config.vocab_size):  # the first prompt meets fresh graphs
             a_ref = ARDecoder(target, ends, runner=TargetRunner(target)).generate(prompt, 30)
@@ -99,6 +102,51 @@ def test_batched_decoder_graphs_decode_like_transformers():
                                       top_k=None)[0, len(p):].tolist()
                 assert ids == ref, (attention, compile, slots)
 
+
+
+def test_an_fp8_target_runs_cublas_fp8_matmuls_compiled_and_eager_alike():
+    """train.target_fp8 on a GPU with FP8 tensor cores: the row-wise scaled matmul of the rounded operands,
+    and the compiled target layer (training's) gives the eager layer's features."""
+    check_fp8_device(torch.device("cuda"))  # raises on a GPU without FP8 matmuls
+    _fp8_target_check("cuda")
+
+
+def _fp8_target_check(device: str) -> dict:
+    import copy
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflashpipe.drafter.features import compiled_target_layer, context_features
+    from dflashpipe.drafter.fp8 import FP8, Fp8Linear, quantize_decoder_linears
+
+    torch.manual_seed(0)  # a default-initialised target: activations of a trained model's scale
+    cfg = Qwen3Config(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, vocab_size=512)
+    ref = Qwen3ForCausalLM(cfg).to(device, torch.bfloat16).eval()
+    fp8 = copy.deepcopy(ref)
+    assert quantize_decoder_linears(fp8)["quantized"] == 7 * 4
+    lin = fp8.model.layers[0].mlp.up_proj
+    assert isinstance(lin, Fp8Linear) and lin.weight.dtype == FP8
+    x = torch.randn(40, 256, device=device, dtype=torch.bfloat16)
+    sa = x.float().abs().amax(-1, keepdim=True) / 448
+    by_hand = ((x.float() / sa).to(FP8).float() * sa) @ (lin.weight.float() * lin.weight_scale.t()).t()
+    torch.testing.assert_close(lin(x).float(), by_hand, rtol=2e-2, atol=2e-2)  # out in bf16
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    ids = torch.randint(0, 512, (2, 128), device=device)
+    eager = context_features(fp8, ids, None, [1, 3])
+    compiled = context_features(fp8, ids, None, [1, 3], layer_fn=compiled_target_layer())
+    full = context_features(ref, ids, None, [1, 3])
+    errors = {"compiled_vs_eager": rel(compiled, eager), "fp8_vs_bf16": rel(eager, full),
+              "compiled_fp8_vs_bf16": rel(compiled, full)}
+    print(errors)
+    # the compiled layer rounds as well as the eager one: 8-bit rounding turns the fused kernels' small
+    # differences (bf16 alone: ~1% on the CPU) into differences of its own size, not into errors
+    assert errors["fp8_vs_bf16"] < 0.15 and errors["compiled_vs_eager"] < errors["fp8_vs_bf16"]
+    assert errors["compiled_fp8_vs_bf16"] < 1.25 * errors["fp8_vs_bf16"] + 0.01
+    return errors
 
 if __name__ == "__main__":
     for name, fn in list(globals().items()):

@@ -59,7 +59,7 @@ def test_flex_attention_reads_only_the_live_blocks(random_target, slots, compile
     cache position outside the rows' live blocks is NaN, so one read of it poisons the reply. Flex
     decodes the transformers replies through it; the dense attention (which reads the whole capacity)
     does not, so the poison is where a full read would hit. Compiled (Inductor on the steps, as on a
-    GPU): the full step, then the smaller ones through one compile dynamic in the row count."""
+    GPU): one decoder layer as one graph for every layer, compiled once per row count."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(random_target, dtype=torch.float32).eval()
@@ -75,10 +75,16 @@ def test_flex_attention_reads_only_the_live_blocks(random_target, slots, compile
             t[:, :, 2 * block:] = float("nan")
         return dec
 
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
     flex = poisoned("flex", compile)
     assert flex.mode == "slots+flex" + ("+compiled" if compile else "") and flex.capacity == 64
     got = flex.generate(prompts, new, set())
     assert set(flex.step_counts) == ({16, 8} if slots == 16 else {3})  # 16 rows: full and partial steps
+    if compile:  # one decoder layer, shared by every layer: one graph per row count (16 and 8)
+        assert model.config.num_hidden_layers > 1 and counters["stats"]["unique_graphs"] == 2
     assert [ids for ids, _ in got] == [hf_greedy(model, p, n, set()) for p, n in zip(prompts, new)]
     assert poisoned("dense").generate(prompts, new, set()) != got
 

@@ -193,7 +193,8 @@ def test_too_few_gpu_slots_for_the_shards_is_refused_at_dag_time(mini_run):
 
 
 def test_next_slot_cache_is_seeded_from_the_previous_one(tmp_path):
-    from dflashpipe.hotstart import seed_slot_cache, slot_cache_dirs
+    from dflashpipe.hotstart import seed_slot_cache
+    from dflashpipe.lease import slot_cache_dirs
 
     prev, mine = slot_cache_dirs(tmp_path, 0), slot_cache_dirs(tmp_path, 1)
     for key, name in (("TORCHINDUCTOR_CACHE_DIR", "fxgraph/ab/entry"), ("TRITON_CACHE_DIR", "KX/kernel.cubin")):

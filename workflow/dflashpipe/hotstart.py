@@ -26,29 +26,16 @@ import shutil
 from pathlib import Path
 
 from dflashpipe.errors import UserError
+from dflashpipe.lease import slot_cache_dirs
 
 # The source that decides the compiled training step and the trained weights: these modules with
 # everything they import, plus the training loop itself (drafter/train.py, not its imports:
 # checkpointing, export and held-out figures change no weight). Also the code part of a
 # training run's identity (drafter/checkpoint.py).
-#: the step, its data and exchange, and the drafter it runs (the step receives the model; it does not import it)
-TRAIN_STEP_MODULES = ["drafter.step", "drafter.data", "drafter.distributed", "drafter.model"]
+#: the step, its data and exchange, the drafter it runs and the target's FP8 linears (the step receives
+#: the models; it does not import them)
+TRAIN_STEP_MODULES = ["drafter.step", "drafter.data", "drafter.distributed", "drafter.model", "drafter.fp8"]
 TRAIN_LOOP_FILE = "drafter/train.py"
-
-
-def slot_cache_dirs(cache_root: str | os.PathLike, slot: int) -> dict[str, str]:
-    """Per-slot compile caches (Inductor FX graph / AOTAutograd caches, Triton kernels)."""
-    root = Path(cache_root).resolve() / f"slot{slot}"
-    return {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "TRITON_CACHE_DIR": str(root / "triton")}
-
-
-def use_slot_cache(cache_root: str | os.PathLike, slot: int) -> dict[str, str]:
-    """Point this process's compile caches at the slot's directories (call before compiling)."""
-    env = slot_cache_dirs(cache_root, slot)
-    for key, value in env.items():
-        Path(value).mkdir(parents=True, exist_ok=True)
-        os.environ[key] = value
-    return env
 
 
 def seed_slot_cache(cache_root: str | os.PathLike, slot: int) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 from dflashpipe.codedeps import script_closure
 from dflashpipe.config import canonical, compile_keys, result_params
 from dflashpipe.evaluate.methods import METHODS, needs_ar_draft
+from dflashpipe.lease import COMPILE_CACHE
 
 
 class Paths:
@@ -55,7 +56,7 @@ class Paths:
         self.tokenized = f"{r}/tokenized/train"
         self.tokenized_stats = f"{r}/tokenized/stats.json"
         # compile caches of the warm chain, one folder per GPU slot inside
-        self.compile_cache = f"{r}/compile_cache"
+        self.compile_cache = f"{r}/{COMPILE_CACHE}"
         # the training run: one job writes them all, for any number of shards
         self.train_summary = f"{r}/train/summary.json"
         self.train_metrics = f"{r}/train/metrics.csv"

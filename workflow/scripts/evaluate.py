@@ -1,12 +1,14 @@
 from dflashpipe.config import settings
 from dflashpipe.evaluate.run import EvalSettings, evaluate_dataset
-from dflashpipe.lease import lease_for_job
+from dflashpipe.lease import lease_for_job, use_leased_slot_cache
 from dflashpipe.runtime import job
 
 p = snakemake.params
 with job(snakemake.log[0], threads=snakemake.threads, name=f"evaluate {snakemake.wildcards.dataset}") as log:
     lease = lease_for_job(snakemake.config)
     log(f"leased slot {lease.slot}: device {lease.device}")
+    if use_leased_slot_cache(snakemake.config, lease):
+        log(f"compile cache: slot {lease.slot}'s (a later job with these shapes loads what this one compiles)")
     evaluate_dataset(
         snakemake.input.target,
         snakemake.input.drafter,

@@ -1,7 +1,7 @@
 from dflashpipe.config import settings
 from dflashpipe.expand import ExpandSettings, expand_prompts
 from dflashpipe.expand_openai import ServerSettings
-from dflashpipe.lease import lease_for_job
+from dflashpipe.lease import lease_for_job, use_leased_slot_cache
 from dflashpipe.runtime import job
 
 with job(snakemake.log[0], threads=snakemake.threads, name=f"expand {snakemake.wildcards.dataset} shard {snakemake.wildcards.shard}") as log:
@@ -11,6 +11,8 @@ with job(snakemake.log[0], threads=snakemake.threads, name=f"expand {snakemake.w
     if expand_settings.backend != "openai":  # the target runs in this job
         lease = lease_for_job(snakemake.config)  # any free GPU slot
         log(f"leased slot {lease.slot}: device {lease.device}")
+        if use_leased_slot_cache(snakemake.config, lease):
+            log(f"compile cache: slot {lease.slot}'s (a later job with these shapes loads what this one compiles)")
         device = lease.device
     else:  # the server generates; this job only tokenizes and sends requests
         log(f"backend {expand_settings.backend}: no GPU slot leased; server {server.url}")

@@ -2,8 +2,8 @@ import time
 
 from dflashpipe.config import settings
 from dflashpipe.drafter.train import TrainConfig, warm_compile
-from dflashpipe.hotstart import seed_slot_cache, use_slot_cache, write_stamp
-from dflashpipe.lease import lease_for_job
+from dflashpipe.hotstart import seed_slot_cache, write_stamp
+from dflashpipe.lease import lease_for_job, use_slot_cache
 from dflashpipe.runtime import job
 
 slot = int(snakemake.wildcards.slot)

@@ -133,9 +133,11 @@ class SlotDecoder:
         if attention == "flex":
             self._init_flex()
         # compile: Inductor fuses each layer's norms, RoPE, SwiGLU and residuals before a step is captured
-        # (a step of few rows costs its kernel launches more than its bytes). Two compiles: the full step,
-        # then one dynamic in the row count for every smaller step
-        self._compiled = torch.compile(self._decode_step, dynamic=None) if compile else None
+        # (a step of few rows costs its kernel launches more than its bytes). One decoder layer is compiled,
+        # as one graph for every layer (its weights and cache are inputs), once per row count a step
+        # computes. Tracing one layer, not the unrolled model, keeps the compile short (the tiny CPU
+        # benchmark: 19 s instead of 128), and a warm compile cache (the slot's) shortens it again
+        self._layer_fn = torch.compile(self._layer, dynamic=False) if compile else self._layer
         if compile or attention == "flex":  # each decoder is new guards on the same code objects: past the
             # recompile limit Dynamo would run them uncompiled (flex reading every position), so leave room
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -184,7 +186,6 @@ class SlotDecoder:
 
     def _decode_step(self, n: int) -> torch.Tensor:
         """One token for ``n`` rows: all rows (n == slots), or ``self.active[:n]`` (their caches gathered)."""
-        G = self.n_heads // self.n_kv
         if n == self.slots:
             rows, ids, pos = self.rows, self.ids, self.pos
         else:
@@ -192,6 +193,7 @@ class SlotDecoder:
             ids, pos = self.ids[rows], self.pos[rows]
         x = self.inner.embed_tokens(ids.unsqueeze(1))  # [n, 1, H]
         cos, sin = self.inner.rotary_emb(x, pos.unsqueeze(1))
+        mask = None
         if self.attention == "flex":
             live = (pos // self.kv_block + 1).to(torch.int32).view(n, 1, 1)
             if n == self.slots:
@@ -203,30 +205,35 @@ class SlotDecoder:
             mask.masked_fill_(self.key_pos.unsqueeze(0) > pos.unsqueeze(1), float("-inf"))
             mask = mask[:, None, None, :]
         for i, layer in enumerate(self.inner.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
-            self.k[i][rows, :, pos] = k[:, :, 0]
-            self.v[i][rows, :, pos] = v[:, :, 0]
-            if self.attention == "flex":  # every row's own cache in place; rows outside the step read nothing
-                q_all = q if n == self.slots else self._q_all.index_copy_(0, rows, q)
-                o = self._flex(q_all, self.k[i], self.v[i], block_mask=self._block_mask, scale=self.scaling,
-                               enable_gqa=self.n_kv != self.n_heads)
-                o = (o if n == self.slots else o[rows]).transpose(1, 2).reshape(n, 1, self.n_heads * self.head_dim)
-            else:
-                keys, values = (self.k[i], self.v[i]) if n == self.slots else (self.k[i][rows], self.v[i][rows])
-                qg = q.reshape(n, self.n_kv, G, self.head_dim)  # query head h uses key/value head h // G
-                scores = torch.matmul(qg, keys.transpose(-1, -2)).to(self.score_dtype) * self.scaling + mask
-                p = torch.softmax(scores, dim=-1).to(self.dtype)
-                o = torch.matmul(p, values).reshape(n, 1, self.n_heads * self.head_dim)
-            x = self._finish_layer(layer, x, o)
+            x = self._layer_fn(layer, x, cos, sin, rows, pos, self.k[i], self.v[i], mask)
         return self.model.get_output_embeddings()(self.inner.norm(x))[:, 0].to(self.score_dtype)  # [n, V]
+
+    def _layer(self, layer, x, cos, sin, rows, pos, keys, values, mask):
+        """One decoder layer for the step's rows: writes their K/V at their positions, attends, returns x."""
+        n = x.shape[0]
+        q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
+        keys[rows, :, pos] = k[:, :, 0]
+        values[rows, :, pos] = v[:, :, 0]
+        if self.attention == "flex":  # every row's own cache in place; rows outside the step read nothing
+            q_all = q if n == self.slots else self._q_all.index_copy_(0, rows, q)
+            o = self._flex(q_all, keys, values, block_mask=self._block_mask, scale=self.scaling,
+                           enable_gqa=self.n_kv != self.n_heads)
+            o = (o if n == self.slots else o[rows]).transpose(1, 2).reshape(n, 1, self.n_heads * self.head_dim)
+        else:
+            if n != self.slots:
+                keys, values = keys[rows], values[rows]
+            qg = q.reshape(n, self.n_kv, self.n_heads // self.n_kv, self.head_dim)  # query head h: kv head h // G
+            scores = torch.matmul(qg, keys.transpose(-1, -2)).to(self.score_dtype) * self.scaling + mask
+            p = torch.softmax(scores, dim=-1).to(self.dtype)
+            o = torch.matmul(p, values).reshape(n, 1, self.n_heads * self.head_dim)
+        return self._finish_layer(layer, x, o)
 
     def _step(self, n: int) -> torch.Tensor:
         """The decode step for ``n`` rows (one captured graph per row count)."""
-        fn = self._compiled or self._decode_step
         if not self.cuda_graphs:
-            return fn(n)
+            return self._decode_step(n)
         if n not in self._graphs:  # the warm-ups decode the real rows: writing their K/V twice is harmless
-            self._graphs[n] = capture(lambda: fn(n), self.device)
+            self._graphs[n] = capture(lambda: self._decode_step(n), self.device)
         graph, logits = self._graphs[n]
         graph.replay()
         return logits

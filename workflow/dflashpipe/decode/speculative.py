@@ -384,14 +384,16 @@ def target_runner(model, step: str = "auto", layer_ids=None, capacity: int = 204
 
 
 def drafter_runner(drafter, target_runner_, step: str = "auto", capacity: int = 2048):
-    """The drafter's side to go with a target runner: static (CUDA graphs on a GPU) when the target's is."""
+    """The drafter's side to go with a target runner: static (CUDA graphs on a GPU) when the target's is,
+    compiled when the target's steps are."""
     from .static_drafter import StaticDrafterRunner
 
     mask_id = drafter.cfg.mask_token_id
     if target_runner_.mode == "dynamic" or step == "dynamic":
         return DrafterRunner(drafter, target_runner_.embed, target_runner_.lm_head, mask_id)
     return StaticDrafterRunner(drafter, target_runner_.embed, target_runner_.lm_head, mask_id, capacity,
-                               cuda_graphs=getattr(target_runner_, "cuda_graphs", None))
+                               cuda_graphs=getattr(target_runner_, "cuda_graphs", None),
+                               compile=target_runner_.mode.endswith("+compiled"))
 
 
 def dflash_generate(target_model, drafter, drafter_cfg, prompt_ids, max_new_tokens, temperature=0.0, seed=0, eos_ids=None) -> DecodeResult:

@@ -17,7 +17,9 @@ the captured verify. Here both are captured once:
 
 :class:`StaticDrafterRunner` has :class:`~dflashpipe.decode.speculative.DrafterRunner`'s
 interface (``new_cache``, ``extend``, ``propose``). The prompt's context (variable
-length) is written uncaptured. On the CPU nothing is captured.
+length) is written uncaptured. On the CPU nothing is captured. With ``compile`` (the
+target's steps compiled: ``evaluate.target_step`` auto or compiled on a GPU) both pieces
+are compiled before their capture.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from dflashpipe.decode.cuda_graph import capture
 
 
 class StaticDrafterRunner:
-    def __init__(self, drafter, embed, lm_head, mask_token_id: int, capacity: int, cuda_graphs: bool | None = None):
+    def __init__(self, drafter, embed, lm_head, mask_token_id: int, capacity: int, cuda_graphs: bool | None = None,
+                 compile: bool = False):
         self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
         cfg = drafter.cfg
         self.bs, self.capacity = int(cfg.block_size), int(capacity)
@@ -47,7 +50,13 @@ class StaticDrafterRunner:
         self.block_visible = torch.ones((1, 1, self.bs, self.bs), dtype=torch.bool, device=self.device)
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
         self._graphs: dict[str, tuple] = {}
-        self.mode = "static+cuda_graphs" if self.cuda_graphs else "static"
+        # compile (with the graphs only, as the target's steps): Inductor fuses the drafter's norms, RoPE,
+        # SwiGLU and the selector's elementwise work before each piece is captured
+        compile = compile and self.cuda_graphs
+        self._pieces = {"propose": self._propose_block, "extend": self._extend_block}
+        if compile:
+            self._pieces = {name: torch.compile(fn, dynamic=False) for name, fn in self._pieces.items()}
+        self.mode = ("static+cuda_graphs" if self.cuda_graphs else "static") + ("+compiled" if compile else "")
 
     # -- the two pieces ---------------------------------------------------------------
 
@@ -80,7 +89,8 @@ class StaticDrafterRunner:
         hidden = self.drafter.norm(h)
         return self.drafter.propose(hidden[:, 1:], self.last[:, 0], self.lm_head.weight)[0]  # DFlash 2: the selector
 
-    def _run(self, name: str, fn):
+    def _run(self, name: str):
+        fn = self._pieces[name]
         if not self.cuda_graphs:
             return fn()
         if name not in self._graphs:
@@ -103,7 +113,7 @@ class StaticDrafterRunner:
         if T == self.bs:
             self.feats.copy_(feats)
             self.start.fill_(start)
-            self._run("extend", self._extend_block)
+            self._run("extend")
         else:  # the prompt: variable length, uncaptured
             self._write(feats[:, :keep], torch.arange(start, start + keep, device=self.device))
         self.valid.fill_(start + keep)
@@ -115,4 +125,4 @@ class StaticDrafterRunner:
             raise ValueError(f"static drafter step: position {n - 1 + self.bs} exceeds the cache capacity {self.capacity}")
         self.last.copy_(last)
         self.start.fill_(n - 1)
-        return self._run("propose", self._propose_block)
+        return self._run("propose")
