@@ -300,3 +300,19 @@ def test_snakemake_stress_no_two_jobs_share_a_slot(tmp_path):
     by_slot = _assert_no_overlap([(row["slot"], row["start"], row["end"]) for row in rows])
     assert set(by_slot) <= {0, 1, 2}
     assert len(by_slot) > 1, f"only slot(s) {sorted(by_slot)} were used"
+
+
+def test_a_gpu_job_compiles_into_its_leased_slots_cache_and_a_cpu_job_keeps_the_default(tmp_path, monkeypatch):
+    """Expansion and evaluation on a GPU slot use that slot's compile cache (the warm chain's folders),
+    so a later job with the same shapes loads what an earlier one compiled; on the CPU nothing changes."""
+    for key in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    config = {"results": str(tmp_path / "results")}
+    on_cpu = types.SimpleNamespace(slot=None, device="cpu")
+    assert L.use_leased_slot_cache(config, on_cpu) is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    on_gpu = types.SimpleNamespace(slot=2, device="cuda:0")  # the job's one visible GPU is slot 2's
+    env = L.use_leased_slot_cache(config, on_gpu)
+    root = (tmp_path / "results" / L.COMPILE_CACHE / "slot2").resolve()
+    assert env == L.slot_cache_dirs(tmp_path / "results" / L.COMPILE_CACHE, 2)
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor") and (root / "inductor").is_dir()
+    assert os.environ["TRITON_CACHE_DIR"] == str(root / "triton") and (root / "triton").is_dir()
