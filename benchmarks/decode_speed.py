@@ -160,15 +160,16 @@ def batch1(a, target, tcfg, dev) -> dict:
         res[f"draft_{name}_ms"] = 1e3 * timed(lambda dec=dec, dcache=dcache, last=last: dec._propose(dcache, prompt, last), dev)
         print(json.dumps({k: v for k, v in res.items() if name in k}), flush=True)  # a run cut short keeps these
 
+    static = [name for name, _ in runners if name != "dynamic"]
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     res["target_weight_gb"] = weight_bytes / 1e9
     if torch.device(dev).type == "cuda":
         bw = copy_bandwidth(dev)
         res["copy_bandwidth_gb_s"] = bw / 1e9
         res["memory_bound_ms_per_token"] = 1e3 * weight_bytes / bw
-        for name, _ in runners[1 if a.eager else 0:]:
+        for name in static:
             res[f"ar_{name}_fraction_of_limit"] = res["memory_bound_ms_per_token"] / res[f"ar_{name}_ms_per_token"]
-    for name, _ in runners[1 if a.eager else 0:]:
+    for name in static:
         res[f"dflash_block_over_ar_{name}"] = res[f"dflash_block_{name}_ms"] / res[f"ar_{name}_ms_per_token"]
     return res
 

@@ -309,9 +309,11 @@ def test_a_gpu_job_compiles_into_its_leased_slots_cache_and_a_cpu_job_keeps_the_
         monkeypatch.delenv(key, raising=False)
     config = {"results": str(tmp_path / "results")}
     on_cpu = types.SimpleNamespace(slot=None, device="cpu")
-    assert L.use_leased_slot_cache(config, on_cpu) is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert L.use_leased_slot_cache(config, on_cpu, log=None) is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
     on_gpu = types.SimpleNamespace(slot=2, device="cuda:0")  # the job's one visible GPU is slot 2's
-    env = L.use_leased_slot_cache(config, on_gpu)
+    said = []
+    env = L.use_leased_slot_cache(config, on_gpu, said.append)
+    assert said and "slot 2's" in said[0]
     root = (tmp_path / "results" / L.COMPILE_CACHE / "slot2").resolve()
     assert env == L.slot_cache_dirs(tmp_path / "results" / L.COMPILE_CACHE, 2)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor") and (root / "inductor").is_dir()

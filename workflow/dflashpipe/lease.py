@@ -571,7 +571,7 @@ def use_slot_cache(cache_root: str | os.PathLike, slot: int) -> dict[str, str]:
     return env
 
 
-def use_leased_slot_cache(config: dict, lease: DeviceLease) -> dict[str, str] | None:
+def use_leased_slot_cache(config: dict, lease: DeviceLease, log=print) -> dict[str, str] | None:
     """A GPU job outside the warm chain (regeneration, evaluation) compiles into its leased slot's cache.
 
     One job holds a slot at a time, so no two processes compile into one cache at once; the
@@ -580,7 +580,9 @@ def use_leased_slot_cache(config: dict, lease: DeviceLease) -> dict[str, str] | 
     """
     if lease.slot is None or not str(lease.device).startswith("cuda"):
         return None
-    return use_slot_cache(Path(config["results"]) / COMPILE_CACHE, lease.slot)
+    env = use_slot_cache(Path(config["results"]) / COMPILE_CACHE, lease.slot)
+    log(f"compile cache: slot {lease.slot}'s (a later job with these shapes loads what this one compiles)")
+    return env
 
 
 # --------------------------------------------------------------------------- CLI

@@ -7,8 +7,7 @@ p = snakemake.params
 with job(snakemake.log[0], threads=snakemake.threads, name=f"evaluate {snakemake.wildcards.dataset}") as log:
     lease = lease_for_job(snakemake.config)
     log(f"leased slot {lease.slot}: device {lease.device}")
-    if use_leased_slot_cache(snakemake.config, lease):
-        log(f"compile cache: slot {lease.slot}'s (a later job with these shapes loads what this one compiles)")
+    use_leased_slot_cache(snakemake.config, lease, log)
     evaluate_dataset(
         snakemake.input.target,
         snakemake.input.drafter,

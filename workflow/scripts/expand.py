@@ -11,8 +11,7 @@ with job(snakemake.log[0], threads=snakemake.threads, name=f"expand {snakemake.w
     if expand_settings.backend != "openai":  # the target runs in this job
         lease = lease_for_job(snakemake.config)  # any free GPU slot
         log(f"leased slot {lease.slot}: device {lease.device}")
-        if use_leased_slot_cache(snakemake.config, lease):
-            log(f"compile cache: slot {lease.slot}'s (a later job with these shapes loads what this one compiles)")
+        use_leased_slot_cache(snakemake.config, lease, log)
         device = lease.device
     else:  # the server generates; this job only tokenizes and sends requests
         log(f"backend {expand_settings.backend}: no GPU slot leased; server {server.url}")

@@ -393,7 +393,7 @@ def drafter_runner(drafter, target_runner_, step: str = "auto", capacity: int = 
         return DrafterRunner(drafter, target_runner_.embed, target_runner_.lm_head, mask_id)
     return StaticDrafterRunner(drafter, target_runner_.embed, target_runner_.lm_head, mask_id, capacity,
                                cuda_graphs=getattr(target_runner_, "cuda_graphs", None),
-                               compile=target_runner_.mode.endswith("+compiled"))
+                               compile=getattr(target_runner_, "compiled", False))
 
 
 def dflash_generate(target_model, drafter, drafter_cfg, prompt_ids, max_new_tokens, temperature=0.0, seed=0, eos_ids=None) -> DecodeResult:

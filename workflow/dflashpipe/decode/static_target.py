@@ -98,7 +98,7 @@ class StaticTargetRunner:
         self._graphs: dict[tuple[int, bool], list] = {}  # (T, features) -> [graph, ids, pos, outputs]
         # compile: Inductor fuses each layer's norms, RoPE and SwiGLU before the capture (fewer, larger kernels);
         # only for the captured steps (uncaptured calls have varying lengths: the prefill, and the CPU)
-        compile = compile and self.cuda_graphs
+        self.compiled = compile = compile and self.cuda_graphs
         self._captured_step = torch.compile(self._step, dynamic=False) if compile else self._step
         if compile:  # HF attention breaks the graph: one compiled frame per layer (guarded on its index)
             n = len(self.inner.layers)

@@ -190,8 +190,7 @@ def run_training(*, world_size: int, threads_per_rank: int, cfg, tokenized: str,
 def rank_main(rank: int, spec: dict) -> None:
     """One rank process: lease its GPU slot, point at the slot's warm cache, train."""
     from dflashpipe.hotstart import hot_start
-    from dflashpipe.lease import use_slot_cache
-    from dflashpipe.lease import lease_for_job
+    from dflashpipe.lease import lease_for_job, use_slot_cache
     from dflashpipe.runtime import job
 
     from .train import TrainConfig, train_rank
