@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The default pipeline on one GPU through Snakemake (benchmarks/results/h200_default/):
 #   bash benchmarks/gpu_pipeline.sh OUT_DIR [more snakemake args]
-# Needs gpu_inputs/tiny_target (see config/gpu_1x_tiny.yaml). Packs the small
+# The target is the shipped tiny one (config/gpu_1x_tiny.yaml). Packs the small
 # results (tables, plots, logs, summaries, stamps, benchmark TSVs) into
 # OUT_DIR/results.tar.gz and prints the wall time.
 set -uo pipefail

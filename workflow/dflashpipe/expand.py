@@ -37,6 +37,7 @@ import torch
 from dflashpipe.atomic import atomic_path, write_json
 from dflashpipe.config import schema_settings
 from dflashpipe.data import read_parquet, screen_prompt, target_context
+from dflashpipe.decode.cuda_graph import round_capacity
 from dflashpipe.errors import UserError
 from dflashpipe.expand_openai import ServerSettings
 from dflashpipe.target import describe_neutralised, end_token_ids, generation_arguments
@@ -201,8 +202,8 @@ def _open_batched(target_path: str, s: ExpandSettings, device: str, server: Serv
             # every row of a cache is as long as its longest request: a long prompt gets a cache of its own
             # (fewer rows where memory is short) instead of sizing every row of the shard for itself
             need_min, need_max = group[0][1], group[-1][1]
-            if decoder is None or not need_max <= decoder.capacity <= _round_up(2 * need_min):
-                capacity = _round_up(need_max)
+            if decoder is None or not need_max <= decoder.capacity <= round_capacity(2 * need_min):
+                capacity = round_capacity(need_max)
                 slots = s.batch_size
                 decoder = None  # the old cache is given back before the new one is sized
                 if device.startswith("cuda"):  # the cache may take 85% of what is free
@@ -233,17 +234,13 @@ RECORD_COLUMNS = ["id", "sample", "messages", "response", "num_prompt_tokens", "
                   "token_ids"]
 
 
-def _round_up(n: int, step: int = 256) -> int:
-    return -(-int(n) // step) * step
-
-
 def length_groups(needs: list[int]) -> list[list[tuple[int, int]]]:
     """Consecutive runs of ``needs`` (ascending: cache positions each request needs) that one KV cache
     serves without any row's capacity exceeding twice its request's need (or 256): ``[(index, need), ...]``
     per group. A typical chunk is one group; an over-long prompt starts a group of its own."""
     groups: list[list[tuple[int, int]]] = []
     for k, need in enumerate(needs):
-        if groups and _round_up(need) <= _round_up(2 * groups[-1][0][1]):
+        if groups and round_capacity(need) <= round_capacity(2 * groups[-1][0][1]):
             groups[-1].append((k, need))
         else:
             groups.append([(k, need)])

@@ -26,6 +26,22 @@ def set_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
+class Laps:
+    """Seconds per named phase of a job's set-up, for its log: ``str(laps)`` is
+    ``"target 3.1 s, drafter 0.4 s"``. ``lap(name)`` ends the phase that began at the last lap."""
+
+    def __init__(self):
+        self.t, self.seconds = time.time(), {}
+
+    def lap(self, name: str) -> None:
+        now = time.time()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self.t
+        self.t = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())
+
+
 # A job's progress lines reach the console at most this often (seconds), whatever its bars' rate.
 PROGRESS_EVERY_S = 10.0
 # A child process of a job (a training rank) finds the job's console here (an inherited descriptor).
@@ -67,6 +83,17 @@ def console_fd() -> int | None:
     return _console.fileno() if _console is not None else None
 
 
+def _since_process_start() -> str:
+    """``", 5.2 s after the process began"``: what starting Python, Snakemake's script preamble and the
+    imports cost this job (empty where the process's start time is unknown)."""
+    try:
+        import psutil
+
+        return f", {time.time() - psutil.Process().create_time():.1f} s after the process began"
+    except Exception:  # psutil comes with Snakemake; a job run some other way may lack it
+        return ""
+
+
 @contextlib.contextmanager
 def job(log_path: str | None, threads: int = 1, name: str = "job"):
     """Run a job body with stdout/stderr in ``log_path``, progress on the console, one-line user errors.
@@ -96,7 +123,7 @@ def job(log_path: str | None, threads: int = 1, name: str = "job"):
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
-    log(f"{name}: start (pid {os.getpid()}, {threads} thread(s))")
+    log(f"{name}: start (pid {os.getpid()}, {threads} thread(s){_since_process_start()})")
     try:
         check_code()  # the library of the checkout that planned this job, or one line naming both
         set_threads(threads)

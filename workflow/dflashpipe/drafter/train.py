@@ -29,6 +29,7 @@ from dflashpipe.atomic import write_json
 from dflashpipe.config import schema_settings
 from dflashpipe.errors import UserError
 from dflashpipe.faults import failpoint
+from dflashpipe.runtime import Laps
 from dflashpipe.tracking import Tracker, check_available
 
 from .checkpoint import MetricsHistory, load_checkpoint, run_identity, save_checkpoint, save_final_state, start_run
@@ -111,9 +112,12 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def build(cfg: TrainConfig, target_dir: str, dev: torch.device, world_size: int):
-    """Target (frozen, trimmed to the tapped layers), drafter (fp32 master weights), step setup, pad id."""
+def build(cfg: TrainConfig, target_dir: str, dev: torch.device, world_size: int, laps: Laps | None = None):
+    """Target (frozen, trimmed to the tapped layers), drafter (fp32 master weights), step setup, pad id.
+    ``laps``: times the target's load and the drafter's build, for the job's log."""
     from dflashpipe.target import load_target, resolve_mask_token
+
+    laps = laps or Laps()
 
     early = resolve_setup(cfg, str(dev), 0, [0], world_size)  # validates attention/dtype/batch before the slow load
     mask_id, _ = resolve_mask_token(target_dir, cfg.mask_token_id)  # the rule the start-up check applied
@@ -126,10 +130,12 @@ def build(cfg: TrainConfig, target_dir: str, dev: torch.device, world_size: int)
     prepare_target(target, cfg, setup, dcfg.target_layer_ids)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+    laps.lap("target")
     pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dcfg).to(dev).train()  # fp32 master weights
     apply_compile_mode(setup, drafter)
+    laps.lap("drafter")
     return target, dcfg, setup, drafter, pad_id
 
 
@@ -152,10 +158,14 @@ def warm_compile(cfg: TrainConfig, tokenized_dir: str, target_dir: str, device: 
     """
     from dflashpipe.tokenize import load_tokenized
 
+    laps = Laps()
     dev = resolve_device(device)
-    target, dcfg, setup, drafter, pad_id = build(cfg, target_dir, dev, world_size)
+    laps.lap("device")
+    target, dcfg, setup, drafter, pad_id = build(cfg, target_dir, dev, world_size, laps)
     ds = load_tokenized(tokenized_dir)
     buckets = np.asarray(ds["bucket"], dtype=np.int64)
+    laps.lap("data")
+    log(f"set up in {sum(laps.seconds.values()):.1f} s ({laps})")
     seconds = prime_buckets(drafter, target, ds, buckets, setup, cfg.seed, pad_id, log)
     return {"signature": compile_signature(setup, dcfg.to_dict(), buckets), "bucket_seconds": seconds}
 
@@ -186,24 +196,28 @@ def train_rank(cfg: TrainConfig, tokenized_dir: str, target_dir: str, ckpt_dir: 
     ``ckpt_dir`` with (computed here if not given).
     """
     check_available(cfg.tensorboard, cfg.wandb)  # a tracker asked for but not installed: one line before anything starts
+    laps = Laps()
+    t_start = laps.t
     dev = resolve_device(device)
-    t_start = time.time()
+    laps.lap("device")
     init_dist(init_method, rank, world_size, dev, cfg.dist_timeout_s)
+    laps.lap("process group")
     try:
         identity = identity or run_identity(cfg, tokenized_dir, target_dir)
+        laps.lap("run identity")
         return _train(cfg, tokenized_dir, target_dir, Path(ckpt_dir), identity, rank, world_size, dev, metrics_csv,
-                      summary_json, final_state, log, t_start, hot_start)
+                      summary_json, final_state, log, t_start, hot_start, laps)
     finally:
         dist.destroy_process_group()
 
 
 def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, metrics_csv, summary_json, final_state, log,
-           t_start, hot_start):
+           t_start, hot_start, laps):
     from tqdm import tqdm
 
     from dflashpipe.tokenize import load_tokenized
 
-    target, dcfg, setup, drafter, pad_id = build(cfg, target_dir, dev, K)
+    target, dcfg, setup, drafter, pad_id = build(cfg, target_dir, dev, K, laps)
 
     # -- data ------------------------------------------------------------------
     ds = load_tokenized(tokenized_dir)
@@ -222,6 +236,7 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
     if total_steps <= 0:
         raise UserError(f"train: epochs={cfg.epochs} and max_steps={cfg.max_steps} leave no step to run")
     check_same_on_all_ranks(samples=len(ds), steps_per_epoch=steps_per_epoch, total_steps=total_steps)
+    laps.lap("data")
 
     # -- resume: the newest intact checkpoint of this run (rank 0 chooses), at any K ----
     state = None
@@ -242,12 +257,14 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
         opt.load_state_dict(state["optimizer"])
         _fused_steps_on_device(opt)
         del state
+    laps.lap("checkpoint and optimizer")
     log(
         f"train rank {rank}/{K} on {dev}: {len(train_idx)} train / {len(heldout_idx)} held-out samples, "
         f"{steps_per_epoch} steps/epoch, {total_steps} steps of {cfg.batch_size} sequences ({setup.rank_batch} on "
         f"this rank), attention={setup.attention}, dtype={'bf16 autocast' if setup.autocast_dtype else 'fp32'}"
         + (f", resumed from step {start_step}" if start_step else "")
     )
+    log(f"set up in {time.time() - t_start:.1f} s ({laps})")
 
     # -- hot start: every compile up front, from the slot's warm cache ---------------
     hot = None

@@ -30,12 +30,22 @@ import torch
 
 from dflashpipe.atomic import atomic_path, write_json
 from dflashpipe.config import schema_settings
+from dflashpipe.decode.cuda_graph import round_capacity
 from dflashpipe.decode.speculative import ARDecoder, DecodeResult, DFlashDecoder, drafter_runner, eos_ids_of, target_runner
 from dflashpipe.errors import UserError
+from dflashpipe.runtime import Laps
 
 from . import metrics as M
 from .lossless import check_lossless, default_tie_tolerance, logit_gap
 from .methods import REFERENCE, Harness, Runner, Skip, select
+
+
+# The evaluation's static KV cache holds a multiple of this many positions. Its compiled steps' shapes
+# follow the cache's size, so the held-out datasets of one run (longest prompts of a few hundred
+# tokens apart) build the same graphs, and the second dataset's job loads them from the slot's compile
+# cache instead of compiling again. At batch 1 the extra positions cost little: attention reads them
+# masked, and the KV cache is a few percent of what a step reads (the weights are the rest).
+EVAL_CAPACITY_STEP = 1024
 
 
 @schema_settings("evaluate")
@@ -224,22 +234,31 @@ def _evaluate(target_dir, drafter_dir, prompts_parquet, samples_out, summary_out
         raise UserError(f"evaluate.device is {str(dev)!r} but CUDA is not available")
 
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    laps = Laps()
     target, tok = load_target(target_dir, device=str(dev), dtype=dtype)
+    laps.lap("target")
     drafter, dcfg = load_drafter(drafter_dir, device=dev, dtype=dtype)
+    laps.lap("drafter")
     eos = eos_ids_of(tok, target)
     if not eos:
         raise UserError(f"{target_dir}: neither the tokenizer nor the generation config names an eos token")
     ids, encoded, skipped = _read_prompts(prompts_parquet, tok, target, dcfg.block_size, s, log)
+    laps.lap("prompts")
 
-    # the static step needs its cache's size up front: the longest prompt, the reply and one verify block
-    capacity = max(len(e) for e in encoded) + s.max_new_tokens + 2 * dcfg.block_size
+    # the static step needs its cache's size up front: the longest prompt, the reply and one verify block,
+    # rounded up to EVAL_CAPACITY_STEP positions (see there)
+    need = max(len(e) for e in encoded) + s.max_new_tokens + 2 * dcfg.block_size
+    capacity = round_capacity(need, EVAL_CAPACITY_STEP)
     verify = target_runner(target, s.target_step, dcfg.target_layer_ids, capacity, graph_sizes=(dcfg.block_size,))
     dflash = DFlashDecoder(target, drafter, dcfg, eos, runner=verify,
                            draft_runner=drafter_runner(drafter, verify, s.target_step, capacity))
     ar_dec = ARDecoder(target, eos, runner=target_runner(target, s.target_step, None, capacity, graph_sizes=(1,)))
     harness = Harness(settings=s, target=target, tokenizer=tok, eos=eos, drafter_dir=drafter_dir, drafter_cfg=dcfg,
                       ar_draft_dir=ar_draft_dir, device=dev, dtype=dtype, dflash=dflash, ar=ar_dec)
+    laps.lap("static steps")
     runners, skipped_methods = _start(methods, harness, log)
+    laps.lap("methods")
+    log(f"set up in {sum(laps.seconds.values()):.1f} s ({laps}); each method's first decode (compiling, capturing) follows")
     log(
         f"evaluate: {len(ids)} prompts, max_new_tokens {s.max_new_tokens}, temperature {s.temperature}, block size "
         f"{dcfg.block_size}, methods {list(runners)}, device {dev}, dtype {str(dtype).removeprefix('torch.')}"
@@ -267,6 +286,7 @@ def _evaluate(target_dir, drafter_dir, prompts_parquet, samples_out, summary_out
         "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled() if dev.type == "cuda" else None,
         # how the DFlash and AR loops ran the target: static+cuda_graphs, static or dynamic (DynamicCache)
         "target_step": dflash.target.mode,
+        "kv_capacity": capacity,
         "drafter_step": dflash.draft.mode,
         "torch": torch.__version__,
         "warmup": "each method decoded the first prompt once, untimed, before any timing" if s.warmup else None,
@@ -328,8 +348,11 @@ def _decode_all(runners: dict[str, Runner], encoded, s: EvalSettings, dev, log) 
     from tqdm import tqdm
 
     if s.warmup:
-        for runner in runners.values():
+        laps = Laps()
+        for method, runner in runners.items():
             runner.decode(encoded[0], s.max_new_tokens, s.seed)
+            laps.lap(method)
+        log(f"first decodes (untimed: compiling, capturing, allocating): {laps}")
     results, measured = {}, {}
     for method, runner in runners.items():
         _peak_memory_reset(dev)
