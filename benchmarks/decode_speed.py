@@ -125,10 +125,12 @@ def batch1(a, target, tcfg, dev) -> dict:
     if a.eager:
         res["hf_generate_ms_per_token"] = 1e3 * timed(hf, dev, reps=3, warm=1) / new
         runners.append(("dynamic", TargetRunner(target, dcfg.target_layer_ids)))
-    for name, comp in (("static", False), ("static_compiled", True)):
+    # static_compiled_hf_layers: HF's layer modules instead of the written-out layers with fused projections
+    for name, comp, fused in (("static_compiled_hf_layers", True, False), ("static", False, True),
+                              ("static_compiled", True, True)):
         if name in a.static_modes.split(","):
             runners.append((name, StaticTargetRunner(target, dcfg.target_layer_ids, capacity=P + new + 2 * bs,
-                                                     graph_sizes=(1, bs), compile=comp)))
+                                                     graph_sizes=(1, bs), compile=comp, fused=fused)))
     for name, runner in runners:
         t0 = time.perf_counter()
         ar = ARDecoder(target, [], runner=runner)
@@ -224,7 +226,8 @@ def continuous(target, prompts, lengths, dev, cb_kwargs: dict, timeout: float) -
     return res
 
 
-def batched(target, prompts, lengths, dev, slots: int, attention: str, compile: bool, bandwidth: float | None) -> dict:
+def batched(target, prompts, lengths, dev, slots: int, attention: str, compile: bool, bandwidth: float | None,
+            fused: bool = True) -> dict:
     """The ``batched`` expansion backend's decoder (:mod:`dflashpipe.decode.slots`), one limit per request."""
     from dflashpipe.decode.slots import SlotDecoder, kv_bytes_per_token
 
@@ -232,7 +235,7 @@ def batched(target, prompts, lengths, dev, slots: int, attention: str, compile: 
         torch.cuda.reset_peak_memory_stats()
     capacity = -(-(max(len(p) for p in prompts) + max(lengths)) // 256) * 256
     t0 = time.perf_counter()
-    dec = SlotDecoder(target, slots, capacity, attention=attention, compile=compile)
+    dec = SlotDecoder(target, slots, capacity, attention=attention, compile=compile, fused=fused)
     # compiles and captures every step the run will take: rows finish one after another (all row counts)
     warm_lengths = [2 + i * 64 // slots for i in range(min(slots, len(prompts)))]
     dec.generate(prompts[: len(warm_lengths)], warm_lengths, [])
@@ -276,6 +279,146 @@ def batched(target, prompts, lengths, dev, slots: int, attention: str, compile: 
     return res
 
 
+def kernel_kind(name: str) -> str:
+    n = name.lower()
+    if any(k in n for k in ("gemv", "gemm", "nvjet", "cutlass", "sm90_xmma", "splitk", "matmul")):
+        return "matmul"
+    if any(k in n for k in ("flash", "fmha", "attention", "sdpa", "softmax")):
+        return "attention"
+    if n.startswith("triton"):
+        return "fused (Inductor)"
+    return "other"
+
+
+def gpu_kernels(fn, dev) -> list[dict]:
+    """The GPU kernels ``fn()`` runs (also inside CUDA-graph replays), from a profiler trace:
+    [{"name", "ts", "dur"}] in microseconds, in start order."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(dev)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
+    return sorted(({"name": e["name"], "ts": float(e["ts"]), "dur": float(e["dur"])} for e in events
+                   if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
+
+
+def profile_ar(target, tcfg, dev, capacity: int, new: int = 32, P: int = 200) -> dict:
+    """:func:`profile_ar_step` with HF's layer modules (the baseline), then with the layers written out
+    and their projections fused (the evaluation's default), in this one process. ``capacity``: the
+    static cache's (batch1's: its compiled steps are then loaded, not compiled again)."""
+    out = {"hf_layers": profile_ar_step(target, tcfg, dev, capacity, new, P, fused=False)}
+    out["fused"] = profile_ar_step(target, tcfg, dev, capacity, new, P, fused=True)
+    out["matmul_alone_at_batch1"] = out["hf_layers"].pop("matmul_alone_at_batch1", None)
+    out["fused"].pop("matmul_alone_at_batch1", None)
+    return out
+
+
+def profile_ar_step(target, tcfg, dev, capacity: int, new: int, P: int, fused: bool) -> dict:
+    """Where a batch-1 AR token's time goes with the compiled, captured target step: the GPU kernels
+    per token (count, busy time, idle time between them, by kind, the heaviest), and how close
+    the step's matmuls alone come to the memory bandwidth (each at batch 1, in a CUDA graph)."""
+    from dflashpipe.decode.cuda_graph import capture
+    from dflashpipe.decode.speculative import ARDecoder
+    from dflashpipe.decode.static_target import StaticTargetRunner
+
+    prompt = torch.randint(0, tcfg.vocab_size - 2, (P,), generator=torch.Generator().manual_seed(2)).tolist()
+    runner = StaticTargetRunner(target, None, capacity=capacity, graph_sizes=(1,), compile=True, fused=fused)
+    ar = ARDecoder(target, [], runner=runner)
+    ar.generate(prompt, 8)  # compiles and captures
+    t = time.perf_counter()
+    r = ar.generate(prompt, new)
+    wall_ms = 1e3 * r.decode_s / r.target_forwards
+
+    # the AR loop's body (ARDecoder.generate after its prefill), new times; the prefill before the profiler
+    cache = runner.new_cache()
+    logits, _ = runner.forward(cache, torch.tensor([prompt], device=dev), 0, last_only=True)
+    first = int(logits[-1].argmax())
+    marks: list[float] = []
+
+    def decode_steps(tok=first):
+        marks.append(time.perf_counter())
+        for n in range(P, P + new):
+            logits, _ = runner.forward(cache, torch.tensor([[tok]], device=dev), n)
+            tok = int(logits[-1].argmax())
+        marks.append(time.perf_counter())
+
+    body = gpu_kernels(decode_steps, dev)
+    steps = new
+    busy = sum(k["dur"] for k in body)
+    span = (body[-1]["ts"] + body[-1]["dur"] - body[0]["ts"]) if body else 0.0
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, list] = {}
+    for k in body:
+        by_kind[kernel_kind(k["name"])] = by_kind.get(kernel_kind(k["name"]), 0.0) + k["dur"]
+        by_name.setdefault(k["name"], [0, 0.0])
+        by_name[k["name"]][0] += 1
+        by_name[k["name"]][1] += k["dur"]
+    heaviest = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
+    # idle GPU time between consecutive kernels: short gaps are a graph's kernel-to-kernel latency;
+    # long ones (>= 20 us) the host's turn between steps (the token's copy out, the next launch)
+    gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in zip(body, body[1:])]
+    short = sum(g for g in gaps if 0 < g < 20)
+    long_ = sum(g for g in gaps if g >= 20)
+    out = {
+        "mode": runner.mode,
+        "ar_ms_per_token_wall": wall_ms,
+        "ar_ms_per_token_wall_under_profiler": 1e3 * (marks[1] - marks[0]) / steps,
+        "kernels_per_token": len(body) / steps if steps else None,
+        "gpu_busy_ms_per_token": busy / 1e3 / steps if steps else None,
+        "gpu_span_ms_per_token": span / 1e3 / steps if steps else None,
+        "gpu_idle_between_kernels_ms_per_token": (span - busy) / 1e3 / steps if steps else None,
+        "gpu_idle_short_gaps_ms_per_token": short / 1e3 / steps if steps else None,
+        "gpu_idle_long_gaps_ms_per_token": long_ / 1e3 / steps if steps else None,
+        "busy_ms_per_token_by_kind": {k: v / 1e3 / steps for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "heaviest_kernels": [{"name": n[:90], "calls_per_token": c / steps, "us_per_call": d / c}
+                             for n, (c, d) in heaviest],
+        "seconds": time.perf_counter() - t,
+    }
+    if torch.device(dev).type != "cuda":  # the smoke run on a CPU stops here
+        return out
+    # each projection of one layer (and the LM head) alone at batch 1, captured: its weight bytes / time
+    H, I, V = tcfg.hidden_size, tcfg.intermediate_size, tcfg.vocab_size
+    kv = tcfg.num_key_value_heads * tcfg.head_dim
+    q = tcfg.num_attention_heads * tcfg.head_dim
+    shapes = {"q": (q, H), "k": (kv, H), "o": (H, q), "gate": (I, H), "down": (H, I), "lm_head": (V, H),
+              "qkv fused": (q + 2 * kv, H), "gate+up fused": (2 * I, H)}
+    gemv = {}
+    x = torch.randn(1, 1, H, device=dev, dtype=torch.bfloat16)
+    xi = torch.randn(1, 1, max(I, q), device=dev, dtype=torch.bfloat16)
+    for name, (n_out, n_in) in shapes.items():
+        w = torch.randn(n_out, n_in, device=dev, dtype=torch.bfloat16)
+        inp = x if n_in == H else xi[..., :n_in]
+        graph, _ = capture(lambda w=w, inp=inp: torch.nn.functional.linear(inp, w), dev)
+        reps = 50
+        s = timed(lambda graph=graph: [graph.replay() for _ in range(reps)], dev, reps=5) / reps
+        gemv[name] = {"us": 1e6 * s, "gb_s": w.numel() * 2 / s / 1e9}
+        del w, graph
+    out["matmul_alone_at_batch1"] = gemv
+    return out
+
+
+def explain_step(target, dev) -> dict:
+    """How Dynamo splits the static target step (one token, no features): graphs, breaks and their reasons."""
+    from dflashpipe.decode.static_target import StaticTargetRunner
+
+    runner = StaticTargetRunner(target, None, capacity=256, graph_sizes=(1,), cuda_graphs=False)
+    ids, pos = torch.tensor([[1]], device=dev), torch.tensor([5], device=dev)
+    ex = torch._dynamo.explain(runner._step)(ids, pos, False, False)
+    reasons = {}
+    for b in ex.break_reasons:
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in b.user_stack[-3:][::-1])
+        key = f"{b.reason.splitlines()[0][:300]} at {where}"
+        reasons[key] = reasons.get(key, 0) + 1
+    torch._dynamo.reset()
+    return {"graphs": ex.graph_count, "graph_breaks": ex.graph_break_count, "break_reasons": reasons}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -287,19 +430,29 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--baseline-prompts", type=int, default=64, help="prompts for the static-generate baseline")
     ap.add_argument("--slots", default="256,512,256:dense",
-                    help="batched backend runs: rows of its KV cache[:attention[:compiled]] (flex reads live positions "
-                         "only, dense the whole capacity; default: the GPU default; compiled: Inductor on the full step)")
+                    help="batched backend runs: rows of its KV cache[:attention[:compiled[:unfused]]] (flex reads live "
+                         "positions only, dense the whole capacity; default: the GPU default; compiled: Inductor on "
+                         "the step; unfused: q/k/v and gate/up as separate matmuls)")
     ap.add_argument("--batched-prompts", default="256,1024",
                     help="prompt counts for the batched backend (more prompts: the tail of the longest replies weighs less)")
     ap.add_argument("--cb-configs", default='[{}]', help="JSON list of ContinuousBatchingConfig kwargs")
     ap.add_argument("--cb-timeout", type=float, default=150)
-    ap.add_argument("--parts", default="batch1,expand")
-    ap.add_argument("--static-modes", default="static,static_compiled")
+    ap.add_argument("--parts", default="batch1,expand",
+                    help="comma-separated: batch1, expand, profile_ar (the AR step's GPU kernels: needs CUDA), explain "
+                         "(the static step's Dynamo graph breaks)")
+    ap.add_argument("--static-modes", default="static,static_compiled",
+                    help="batch1: static, static_compiled (layers written out, projections fused), "
+                         "static_compiled_hf_layers (HF's layer modules)")
     ap.add_argument("--no-eager", dest="eager", action="store_false",
                     help="batch1: skip HF generate and the dynamic (eager) loops: only the static modes")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--inductor", default="",
+                    help="comma-separated torch._inductor.config settings for every compile, e.g. max_autotune=1")
     a = ap.parse_args()
     dev = a.device
+    for item in filter(None, a.inductor.split(",")):
+        key, value = item.split("=")
+        setattr(torch._inductor.config, key, type(getattr(torch._inductor.config, key))(int(value)))
     shapes = TINY if a.tiny else QWEN3_8B
     target, tcfg = build_target(shapes, 2048, a.block_size, dev)
     import transformers
@@ -316,6 +469,13 @@ def main() -> None:
             print(json.dumps(out["batch1"], indent=1), flush=True)
         elif part == "expand":
             expand(a, target, tcfg, dev, out, save)
+        elif part == "explain":  # the static step's Dynamo graphs and why it breaks
+            out["explain"] = explain_step(target, dev)
+            print(json.dumps(out["explain"], indent=1), flush=True)
+        elif part == "profile_ar":
+            P = 32 if a.tiny else 200  # batch1's prompt and cache
+            out["profile_ar"] = profile_ar(target, tcfg, dev, P + a.new + 2 * a.block_size, P=P)
+            print(json.dumps(out["profile_ar"], indent=1), flush=True)
         save()
 
 
@@ -338,11 +498,11 @@ def expand(a, target, tcfg, dev, out: dict, save) -> None:
     bandwidth = copy_bandwidth(dev) if torch.device(dev).type == "cuda" else None
     out["copy_bandwidth_gb_s"] = bandwidth / 1e9 if bandwidth else None
     for run in [x for x in a.slots.split(",") if x]:
-        slots, attention, compiled = (run.split(":") + ["", ""])[:3]
+        slots, attention, compiled, variant = (run.split(":") + ["", "", ""])[:4]
         for count in counts:
             try:
                 r = batched(target, all_prompts[:count], all_lengths[:count], dev, int(slots), attention or "auto",
-                            compiled == "compiled", bandwidth)
+                            compiled == "compiled", bandwidth, fused=variant != "unfused")
             except Exception as err:  # noqa: BLE001
                 r = {"slots": int(slots), "attention": attention, "error": f"{type(err).__name__}: {err}",
                      "traceback": traceback.format_exc()[-3000:]}

@@ -65,7 +65,7 @@ def test_captured_target_and_drafter_steps_decode_like_the_eager_loop():
         verify = target_runner(target, step, dcfg.target_layer_ids, 256, graph_sizes=(BS,))
         assert verify.mode.startswith("static+cuda_graphs")
         dflash = DFlashDecoder(target, drafter, dcfg, ends, runner=verify, draft_runner=drafter_runner(drafter, verify, step, 256))
-        assert dflash.draft.mode == verify.mode  # the drafter's pieces compiled when the target's steps are
+        assert dflash.draft.mode == verify.mode.removesuffix("+fused")  # the drafter's pieces compiled when the target's steps are
         accepted = []
         for prompt in _prompts(target.config.vocab_size):  # the first prompt meets fresh graphs
             a_ref = ARDecoder(target, ends, runner=TargetRunner(target)).generate(prompt, 30)
@@ -91,7 +91,7 @@ def test_batched_decoder_graphs_decode_like_transformers():
     for attention, target, compile in (("dense", target64, False), ("flex", target32, False), ("flex", target32, True)):
         for slots in (4, 16):  # refilled rows; partial steps (8 of 16 rows)
             dec = SlotDecoder(target, slots, 256, attention=attention, kv_block=block, compile=compile)
-            assert dec.mode == f"slots+{attention}+cuda_graphs" + ("+compiled" if compile else "")
+            assert dec.mode == f"slots+{attention}+cuda_graphs" + ("+compiled" if compile else "") + "+fused"
             if attention == "flex":
                 for t in dec.k + dec.v:
                     t.zero_()

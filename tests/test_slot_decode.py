@@ -42,7 +42,7 @@ def test_greedy_equals_transformers_token_for_token_with_rows_reused(model64, sl
     free = [hf_greedy(model64, p, 20, set()) for p in prompts[:2]]
     end_ids = {free[0][5], free[1][9]}  # tokens these replies produce mid-way: some requests stop early
     dec = SlotDecoder(model64, slots=slots, capacity=64)
-    assert dec.mode == "slots+dense" and unsupported_reason(model64) is None
+    assert dec.mode == "slots+dense+fused" and unsupported_reason(model64) is None
     assert dec._bucket(7) == (3 if slots == 3 else 8) and dec._bucket(slots) == slots
     got = dec.generate(prompts, 20, end_ids)
     for p, (ids, finish) in zip(prompts, got):
@@ -80,7 +80,7 @@ def test_flex_attention_reads_only_the_live_blocks(random_target, slots, compile
     torch._dynamo.reset()
     counters.clear()
     flex = poisoned("flex", compile)
-    assert flex.mode == "slots+flex" + ("+compiled" if compile else "") and flex.capacity == 64
+    assert flex.mode == "slots+flex" + ("+compiled" if compile else "") + "+fused" and flex.capacity == 64
     got = flex.generate(prompts, new, set())
     assert set(flex.step_counts) == ({16, 8} if slots == 16 else {3})  # 16 rows: full and partial steps
     if compile:  # one decoder layer, shared by every layer: one graph per row count (16 and 8)
@@ -165,3 +165,42 @@ def test_one_long_prompt_does_not_size_every_row(random_target, tmp_path):
     long_cache = -(-(longest + 12) // 256) * 256
     # chunk 1: its short prompts, then the long one alone; chunk 2: a cache for short prompts again
     assert len(caches) == 3 and caches[1] == long_cache and max(caches[0], caches[2]) <= -(-(second + 12) // 256) * 256
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2", "llama"])
+def test_fused_projections_share_the_weights_and_leave_the_model_unchanged(model_type):
+    """q/k/v and gate/up become one matrix each: the modules' weights (and Qwen2's q/k/v biases) are
+    views into them, so no memory is added and HF's own forward gives the same logits; fusing
+    again changes nothing; the written-out layer (fused matmuls) gives HF's logits too."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflashpipe.decode.layer import fuse_projections
+    from dflashpipe.decode.static_target import StaticTargetRunner
+
+    cfg = AutoConfig.for_model(model_type, vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float64).eval()
+    ids = torch.randint(0, 97, (1, 11))
+    with torch.no_grad():
+        before = model(ids).logits
+
+    def storages():
+        return {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+
+    fuse_projections(model)
+    fused_bytes = sum(storages().values())
+    fuse_projections(model)
+    assert sum(storages().values()) == fused_bytes  # idempotent
+    assert fused_bytes == sum(p.numel() * p.element_size() for p in model.parameters())  # the storages hold the parameters, no more
+    a, m = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert a.q_proj.weight.untyped_storage().data_ptr() == a.v_proj.weight.untyped_storage().data_ptr() == a.qkv_weight.data_ptr()
+    assert m.up_proj.weight.untyped_storage().data_ptr() == m.gate_up_weight.data_ptr()
+    assert (a.qkv_bias is not None) == (model_type == "qwen2")
+    assert "qkv_weight" not in model.state_dict()  # the export and checkpoints see the model's own keys
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, atol=1e-12, rtol=1e-12)
+        runner = StaticTargetRunner(model, capacity=32)
+        assert runner.mode == "static+fused"
+        logits, _ = runner.forward(runner.new_cache(), ids, 0)
+    torch.testing.assert_close(logits, before[0].float(), atol=1e-6, rtol=1e-6)

@@ -345,8 +345,9 @@ def test_evaluate_skips_unusable_prompts_and_keeps_a_failed_check(micro, micro_t
 
 @pytest.mark.parametrize("which", ["micro", "sharp"])
 def test_static_target_step_decodes_what_the_dynamic_one_does(which, request):
-    """The static-KV target step (CUDA graphs on a GPU; uncaptured here) gives the same greedy tokens,
-    the same accepted drafts per verify step, and the same logits as HF with a DynamicCache."""
+    """The static-KV target step (CUDA graphs on a GPU; uncaptured here; its layers written out with
+    fused projections) gives the same greedy tokens, the same accepted drafts per verify step, and
+    the same logits as HF with a DynamicCache."""
     from dflashpipe.decode.speculative import TargetRunner, drafter_runner, target_runner
     from dflashpipe.decode.static_target import StaticTargetRunner
 
@@ -355,8 +356,9 @@ def test_static_target_step_decodes_what_the_dynamic_one_does(which, request):
     static = StaticTargetRunner(target, cfg.target_layer_ids, capacity=256, graph_sizes=(1, BS))
     draft = drafter_runner(drafter, static, "auto", capacity=256)  # one cache each, reused for every prompt
     assert draft.mode == "static" and drafter_runner(drafter, TargetRunner(target)).mode == "eager"
-    assert static.mode == "static" and target_runner(target, "auto").mode == "dynamic"  # auto: compiled only on a GPU
-    assert target_runner(target, "static").mode == target_runner(target, "compiled").mode == "static"  # no graphs: no compile
+    # a Qwen3: its layers written out with q/k/v and gate/up fused (dflashpipe.decode.layer)
+    assert static.mode == "static+fused" and target_runner(target, "auto").mode == "dynamic"  # auto: compiled only on a GPU
+    assert target_runner(target, "static").mode == target_runner(target, "compiled").mode == "static+fused"  # no graphs: no compile
     ids = encode(tok, PROMPTS["p-apples"])
     ref_logits, ref_feats = TargetRunner(target, cfg.target_layer_ids).forward(
         TargetRunner(target).new_cache(), torch.tensor([ids]), 0, features=True)

@@ -41,19 +41,18 @@ import torch
 import torch.nn.functional as F
 
 from dflashpipe.decode.cuda_graph import capture
+from dflashpipe.decode.layer import attention_inputs, finish_layer, fuse_projections, written_out_reason
 
 #: attention implementations of the decode step ("auto": flex on a GPU, dense elsewhere)
 ATTENTION_MODES = ("auto", "flex", "dense")
-
-#: model types whose layers follow the Llama layout this module writes out
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
 def unsupported_reason(model) -> str | None:
     """None if :class:`SlotDecoder` can run ``model``; else why not (one phrase)."""
     cfg = model.config
-    if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-        return f"model type {getattr(cfg, 'model_type', None)!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+    why = written_out_reason(model)
+    if why:
+        return why
     types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
     if types != {"full_attention"} or getattr(cfg, "use_sliding_window", False):
         return "sliding-window layers"
@@ -84,27 +83,20 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
 
 
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _rope(x, cos, sin):
-    """x [B, heads, T, D]; cos/sin [B, T, D]."""
-    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
-
-
 class SlotDecoder:
     """Greedy or sampled decoding of many prompts through ``slots`` rows of a static KV cache."""
 
     def __init__(self, model, slots: int, capacity: int, cuda_graphs: bool | None = None, prefill_tokens: int = 8192,
-                 attention: str = "auto", kv_block: int = 128, compile: bool = False):
+                 attention: str = "auto", kv_block: int = 128, compile: bool = False, fused: bool = True):
         why = unsupported_reason(model)
         if why:
             raise ValueError(f"batched decoding: {why}")
         if attention not in ATTENTION_MODES:
             raise ValueError(f"batched decoding: attention {attention!r} (one of {', '.join(ATTENTION_MODES)})")
         self.model, self.inner = model, model.model
+        self.fused = bool(fused)  # q/k/v and gate/up: one matmul each (the same weights, no copy kept)
+        if self.fused:
+            fuse_projections(model)
         cfg = model.config
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
@@ -141,7 +133,8 @@ class SlotDecoder:
         if compile or attention == "flex":  # each decoder is new guards on the same code objects: past the
             # recompile limit Dynamo would run them uncompiled (flex reading every position), so leave room
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.mode = f"slots+{attention}" + ("+cuda_graphs" if self.cuda_graphs else "") + ("+compiled" if compile else "")
+        self.mode = (f"slots+{attention}" + ("+cuda_graphs" if self.cuda_graphs else "") + ("+compiled" if compile else "")
+                     + ("+fused" if self.fused else ""))
 
     def _init_flex(self) -> None:
         """The block mask (one object, updated in place each step) and the compiled attention."""
@@ -163,24 +156,10 @@ class SlotDecoder:
         self._q_all = torch.zeros((self.slots, self.n_heads, 1, self.head_dim), dtype=self.dtype, device=self.device)
         self._flex = torch.compile(flex_attention, dynamic=False)
 
-    # -- one layer, written out ------------------------------------------------------
+    # -- one layer, written out (dflashpipe.decode.layer) ---------------------------------
 
     def _qkv(self, layer, h, cos, sin):
-        """h [B, T, H] (normed) -> q [B, Hq, T, D], k/v [B, Hkv, T, D] with RoPE."""
-        a = layer.self_attn
-        B, T, _ = h.shape
-        q = a.q_proj(h).view(B, T, self.n_heads, self.head_dim)
-        k = a.k_proj(h).view(B, T, self.n_kv, self.head_dim)
-        v = a.v_proj(h).view(B, T, self.n_kv, self.head_dim)
-        if hasattr(a, "q_norm"):  # Qwen3
-            q, k = a.q_norm(q), a.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        return _rope(q, cos, sin), _rope(k, cos, sin), v
-
-    def _finish_layer(self, layer, x, o):
-        """o [B, T, Hq*D] attention output -> the layer's output."""
-        x = x + layer.self_attn.o_proj(o)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        return attention_inputs(layer, h, cos, sin, self.n_heads, self.n_kv, self.head_dim, self.fused)
 
     # -- decode: every row one token -------------------------------------------------
 
@@ -226,7 +205,7 @@ class SlotDecoder:
             scores = torch.matmul(qg, keys.transpose(-1, -2)).to(self.score_dtype) * self.scaling + mask
             p = torch.softmax(scores, dim=-1).to(self.dtype)
             o = torch.matmul(p, values).reshape(n, 1, self.n_heads * self.head_dim)
-        return self._finish_layer(layer, x, o)
+        return finish_layer(layer, x, o, self.fused)
 
     def _step(self, n: int) -> torch.Tensor:
         """The decode step for ``n`` rows (one captured graph per row count)."""
@@ -263,7 +242,7 @@ class SlotDecoder:
             self.k[i][rows_t, :, :T] = k  # right padding: masked by position until overwritten
             self.v[i][rows_t, :, :T] = v
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads)
-            x = self._finish_layer(layer, x, o.transpose(1, 2).reshape(n, T, self.n_heads * self.head_dim))
+            x = finish_layer(layer, x, o.transpose(1, 2).reshape(n, T, self.n_heads * self.head_dim), self.fused)
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
         h = self.inner.norm(x[torch.arange(n, device=self.device), last])
         return self.model.get_output_embeddings()(h).to(self.score_dtype)

@@ -12,12 +12,15 @@ few hundred kernels from Python and spends ~10x that. Here:
   for a DFlash verify) is captured once as a CUDA graph and replayed, so a step
   costs one launch.
 
-The layers are the model's own HF modules (any decoder with the standard layout
-and full attention: Llama, Qwen2, Qwen3, ...); only the cache object differs, so
-the numbers are the model's. With ``compile`` the captured steps are compiled
-first (Inductor fuses each layer's elementwise work: fewer, larger kernels in the
-graph; measured at Qwen3-8B shapes on an H200: 9.1 -> 6.0 ms per AR token, 64%
-of the weights' memory-bound time). The prefill (variable length) runs the same step
+The layers are the model's own modules: Llama, Qwen2 and Qwen3 layers are written out
+(:mod:`.layer`) with their q/k/v and gate/up projections fused into one matmul each (the
+same weights, views of one matrix), any other decoder with the standard layout and full
+attention runs its HF layer modules; only the cache object differs, so the numbers are
+the model's. With ``compile`` the captured steps are compiled first (Inductor fuses each
+layer's elementwise work: fewer, larger kernels in the graph). Measured at Qwen3-8B shapes
+on an H200 (batch 1, ms per AR token): eager-launched 9.1, compiled HF layers 6.07,
+compiled written-out fused layers 5.05 (76% of the weights' memory-bound time; 484 GPU
+kernels per token instead of 781). The prefill (variable length) runs the same step
 uncaptured. On the CPU nothing is captured (the static cache still runs, which is
 how the tests compare it with the dynamic path).
 
@@ -31,8 +34,10 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 
 from dflashpipe.decode.cuda_graph import capture
+from dflashpipe.decode.layer import attention_inputs, finish_layer, fuse_projections, written_out_reason
 from dflashpipe.drafter.features import has_standard_layout, layer_types_of
 
 
@@ -44,6 +49,7 @@ class StaticKV:
         n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         shape = (1, n_kv, int(capacity), head_dim)
+        self.n_heads, self.n_kv, self.head_dim = int(cfg.num_attention_heads), n_kv, head_dim
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.model.layers]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.model.layers]
         self.capacity = int(capacity)
@@ -74,10 +80,14 @@ def supports_static(model) -> str | None:
 
 
 class StaticTargetRunner:
-    """An HF causal LM with a static KV cache; steps of ``graph_sizes`` tokens captured as CUDA graphs."""
+    """An HF causal LM with a static KV cache; steps of ``graph_sizes`` tokens captured as CUDA graphs.
+
+    ``fused``: a Llama-layout model's layers run written out with fused projections (:mod:`.layer`);
+    False runs HF's layer modules (the comparison in ``benchmarks/decode_speed.py``)."""
 
     def __init__(self, model, layer_ids: list[int] | None = None, capacity: int = 2048,
-                 graph_sizes: tuple[int, ...] = (1,), cuda_graphs: bool | None = None, compile: bool = False):
+                 graph_sizes: tuple[int, ...] = (1,), cuda_graphs: bool | None = None, compile: bool = False,
+                 fused: bool = True):
         why = supports_static(model)
         if why:
             raise ValueError(f"static target step: {why}")
@@ -92,6 +102,12 @@ class StaticTargetRunner:
         self.last_layer = int(self.inner.config.num_hidden_layers) - 1
         dtype = next(model.parameters()).dtype
         self.cache = StaticKV(model, capacity, self.device, dtype)
+        # the Llama-layout models' layers written out with their projections fused (fewer, larger
+        # matmuls: :mod:`.layer`); other layouts run HF's layer modules on the same cache
+        self.written_out = fused and written_out_reason(model) is None
+        if self.written_out:
+            fuse_projections(model)
+            self.n_heads, self.n_kv, self.head_dim = self.cache.n_heads, self.cache.n_kv, self.cache.head_dim
         self.key_pos = torch.arange(self.cache.capacity, device=self.device)
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
         self.graph_sizes = tuple(sorted(set(int(t) for t in graph_sizes)))
@@ -103,7 +119,8 @@ class StaticTargetRunner:
         if compile:  # HF attention breaks the graph: one compiled frame per layer (guarded on its index)
             n = len(self.inner.layers)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * n + 8)
-        self.mode = ("static+cuda_graphs" if self.cuda_graphs else "static") + ("+compiled" if compile else "")
+        self.mode = (("static+cuda_graphs" if self.cuda_graphs else "static") + ("+compiled" if compile else "")
+                     + ("+fused" if self.written_out else ""))
 
     # -- the step ------------------------------------------------------------
 
@@ -118,14 +135,25 @@ class StaticTargetRunner:
         self.cache.pos = pos
         wanted, feats = set(self.layer_ids) if features else set(), {}
         for i, layer in enumerate(self.inner.layers):
-            out = layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=pe,
-                        use_cache=True, **{self.cache_kw: self.cache})
-            x = out[0] if isinstance(out, tuple) else out
+            if self.written_out:
+                x = self._layer(i, layer, x, pe, mask)
+            else:
+                out = layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=pe,
+                            use_cache=True, **{self.cache_kw: self.cache})
+                x = out[0] if isinstance(out, tuple) else out
             if i in wanted:
                 feats[i] = self.inner.norm(x) if i == self.last_layer else x  # as HF's hidden_states
         h = self.inner.norm(x)
         logits = self.lm_head(h[:, -1:] if last_only else h)[0].float()
         return logits, (torch.cat([feats[i] for i in self.layer_ids], dim=-1) if features else None)
+
+    def _layer(self, i: int, layer, x, pe, mask):
+        """Decoder layer i written out (:mod:`.layer`: fused projections), attending over the static cache."""
+        q, k, v = attention_inputs(layer, layer.input_layernorm(x), *pe, self.n_heads, self.n_kv, self.head_dim)
+        k, v = self.cache.update(k, v, i)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.self_attn.scaling,
+                                           enable_gqa=self.n_kv != self.n_heads)
+        return finish_layer(layer, x, o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
     def _replay(self, ids: torch.Tensor, start: int, features: bool):
         """The captured step of T = ids.shape[1] tokens at positions start.. (captured at its first call).
