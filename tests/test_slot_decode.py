@@ -204,3 +204,24 @@ def test_fused_projections_share_the_weights_and_leave_the_model_unchanged(model
         assert runner.mode == "static+fused"
         logits, _ = runner.forward(runner.new_cache(), ids, 0)
     torch.testing.assert_close(logits, before[0].float(), atol=1e-6, rtol=1e-6)
+
+
+def test_quantised_projections_keep_hf_layers():
+    """A target whose projections are not plain floating-point linears (FP8 here) is not written out:
+    the static step runs HF's layer modules on it, and nothing is fused."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflashpipe.decode.layer import written_out_reason
+    from dflashpipe.decode.static_target import StaticTargetRunner
+    from dflashpipe.drafter.fp8 import quantize_decoder_linears
+
+    cfg = AutoConfig.for_model("qwen3", vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    assert written_out_reason(model) is None
+    quantize_decoder_linears(model)
+    assert "Fp8Linear projections" in written_out_reason(model)
+    runner = StaticTargetRunner(model, capacity=16)
+    assert runner.mode == "static" and not hasattr(model.model.layers[0].self_attn, "qkv_weight")
+    logits, _ = runner.forward(runner.new_cache(), torch.tensor([[1, 2, 3]]), 0)
+    assert logits.shape == (3, 97) and torch.isfinite(logits).all()

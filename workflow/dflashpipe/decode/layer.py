@@ -27,6 +27,11 @@ def written_out_reason(model) -> str | None:
     cfg = model.config
     if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return f"model type {getattr(cfg, 'model_type', None)!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+    for layer in model.model.layers:  # quantised or otherwise replaced projections keep HF's own modules
+        a, m = layer.self_attn, layer.mlp
+        for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+            if type(p) is not torch.nn.Linear or not p.weight.is_floating_point():
+                return f"{type(p).__name__} projections (plain floating-point nn.Linear only)"
     return None
 
 

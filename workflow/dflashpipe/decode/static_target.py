@@ -116,7 +116,8 @@ class StaticTargetRunner:
         # only for the captured steps (uncaptured calls have varying lengths: the prefill, and the CPU)
         self.compiled = compile = compile and self.cuda_graphs
         self._captured_step = torch.compile(self._step, dynamic=False) if compile else self._step
-        if compile:  # HF attention breaks the graph: one compiled frame per layer (guarded on its index)
+        if compile:  # room for a frame per layer should a model's HF layers break the graph (guarded on its
+            # index); the written-out layers and Qwen3's HF layers (torch 2.11, transformers 5.17) trace as one graph
             n = len(self.inner.layers)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * n + 8)
         self.mode = (("static+cuda_graphs" if self.cuda_graphs else "static") + ("+compiled" if compile else "")
