@@ -23,11 +23,15 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
 def written_out_reason(model) -> str | None:
-    """None if this module can run ``model``'s layers; else why not (one phrase)."""
+    """None if this module can run ``model``'s layers; else why not (one phrase). ``model`` may be a
+    stand-in with only a ``config`` (what a job decides before loading the weights)."""
     cfg = model.config
     if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return f"model type {getattr(cfg, 'model_type', None)!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-    for layer in model.model.layers:  # quantised or otherwise replaced projections keep HF's own modules
+    if getattr(cfg, "quantization_config", None):
+        return "quantised weights (plain floating-point nn.Linear projections only)"
+    # a loaded model (not only its config): quantised or otherwise replaced projections keep HF's modules
+    for layer in getattr(getattr(model, "model", None), "layers", []):
         a, m = layer.self_attn, layer.mlp
         for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
             if type(p) is not torch.nn.Linear or not p.weight.is_floating_point():
