@@ -219,6 +219,11 @@ def test_quantised_projections_keep_hf_layers():
                                num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     assert written_out_reason(model) is None
+    stand_in = type("M", (), {"config": cfg})()  # what the expansion asks before loading the weights
+    assert written_out_reason(stand_in) is None
+    cfg.quantization_config = {"quant_method": "fp8"}
+    assert "quantised" in written_out_reason(stand_in)
+    del cfg.quantization_config
     quantize_decoder_linears(model)
     assert "Fp8Linear projections" in written_out_reason(model)
     runner = StaticTargetRunner(model, capacity=16)
