@@ -22,6 +22,13 @@ import torch.nn.functional as F
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
+def attention_dims(cfg) -> tuple[int, int, int]:
+    """(query heads, key/value heads, head dim) of a decoder config (GQA and head_dim defaults as HF's)."""
+    n_heads = int(cfg.num_attention_heads)
+    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+    return n_heads, n_kv, int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
+
+
 def written_out_reason(model) -> str | None:
     """None if this module can run ``model``'s layers; else why not (one phrase). ``model`` may be a
     stand-in with only a ``config`` (what a job decides before loading the weights)."""

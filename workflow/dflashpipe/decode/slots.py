@@ -41,7 +41,13 @@ import torch
 import torch.nn.functional as F
 
 from dflashpipe.decode.cuda_graph import capture
-from dflashpipe.decode.layer import attention_inputs, finish_layer, fuse_projections, written_out_reason
+from dflashpipe.decode.layer import (
+    attention_dims,
+    attention_inputs,
+    finish_layer,
+    fuse_projections,
+    written_out_reason,
+)
 
 #: attention implementations of the decode step ("auto": flex on a GPU, dense elsewhere)
 ATTENTION_MODES = ("auto", "flex", "dense")
@@ -68,8 +74,7 @@ def host_synced_rope(cfg) -> str | None:
 
 def kv_bytes_per_token(model) -> int:
     cfg = model.config
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    _, n_kv, head_dim = attention_dims(cfg)
     return 2 * cfg.num_hidden_layers * n_kv * head_dim * next(model.parameters()).element_size()
 
 
@@ -98,9 +103,7 @@ class SlotDecoder:
         if self.fused:
             fuse_projections(model)
         cfg = model.config
-        self.n_heads = int(cfg.num_attention_heads)
-        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
-        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        self.n_heads, self.n_kv, self.head_dim = attention_dims(cfg)
         self.scaling = self.head_dim**-0.5
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype

@@ -37,7 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from dflashpipe.decode.cuda_graph import capture
-from dflashpipe.decode.layer import attention_inputs, finish_layer, fuse_projections, written_out_reason
+from dflashpipe.decode.layer import (
+    attention_dims,
+    attention_inputs,
+    finish_layer,
+    fuse_projections,
+    written_out_reason,
+)
 from dflashpipe.drafter.features import has_standard_layout, layer_types_of
 
 
@@ -46,10 +52,8 @@ class StaticKV:
 
     def __init__(self, model, capacity: int, device, dtype):
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        shape = (1, n_kv, int(capacity), head_dim)
-        self.n_heads, self.n_kv, self.head_dim = int(cfg.num_attention_heads), n_kv, head_dim
+        self.n_heads, self.n_kv, self.head_dim = attention_dims(cfg)
+        shape = (1, self.n_kv, int(capacity), self.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.model.layers]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.model.layers]
         self.capacity = int(capacity)
@@ -107,7 +111,6 @@ class StaticTargetRunner:
         self.written_out = fused and written_out_reason(model) is None
         if self.written_out:
             fuse_projections(model)
-            self.n_heads, self.n_kv, self.head_dim = self.cache.n_heads, self.cache.n_kv, self.cache.head_dim
         self.key_pos = torch.arange(self.cache.capacity, device=self.device)
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
         self.graph_sizes = tuple(sorted(set(int(t) for t in graph_sizes)))
@@ -150,10 +153,11 @@ class StaticTargetRunner:
 
     def _layer(self, i: int, layer, x, pe, mask):
         """Decoder layer i written out (:mod:`.layer`: fused projections), attending over the static cache."""
-        q, k, v = attention_inputs(layer, layer.input_layernorm(x), *pe, self.n_heads, self.n_kv, self.head_dim)
-        k, v = self.cache.update(k, v, i)
+        c = self.cache
+        q, k, v = attention_inputs(layer, layer.input_layernorm(x), *pe, c.n_heads, c.n_kv, c.head_dim)
+        k, v = c.update(k, v, i)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.self_attn.scaling,
-                                           enable_gqa=self.n_kv != self.n_heads)
+                                           enable_gqa=c.n_kv != c.n_heads)
         return finish_layer(layer, x, o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
     def _replay(self, ids: torch.Tensor, start: int, features: bool):
