@@ -33,7 +33,10 @@ def training_curves(training_csv: str, loss_png: str, tokens_png: str) -> None:
     if len(held):
         ax_loss.plot(held["step"], held["heldout_loss"], "ko--", label="held-out")
         ax_acc.plot(held["step"], held["heldout_acc"], "ko--", label="held-out")
-    ax_loss.set(xlabel="optimiser step", ylabel="position-weighted loss (nats; train.loss: CE or KL)", title="Drafter loss")
+    # log scale: the first steps' loss (tens of nats) would otherwise flatten the rest of the curve
+    log_y = bool((df["loss"].dropna() > 0).all())
+    ax_loss.set(xlabel="optimiser step", ylabel="position-weighted loss, nats" + (" (log scale)" if log_y else ""),
+                title="Drafter loss (train.loss: CE or KL)", yscale="log" if log_y else "linear")
     ax_acc.set(xlabel="optimiser step", ylabel="weighted top-1 accuracy", title="Drafter accuracy", ylim=(0, 1))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
