@@ -17,6 +17,13 @@ Files:
   code_train.jsonl.gz    CodeI/O tasks shipped with reasoning-gym (data/codeio.jsonl.gz)
   code_heldout.jsonl.gz  other CodeI/O tasks of the same file, none of code_train's
   humaneval.jsonl.gz     the 164 HumanEval problems (prompts only; extra field "entry_point")
+  math_more.jsonl.gz     more gsm_symbolic problems (a third seed range; none of math_train's or math_heldout's)
+  code_more.jsonl.gz     the CodeI/O tasks neither code file took, code up to --code-more-max-chars
+  reasoning_train.jsonl.gz / reasoning_heldout.jsonl.gz
+                         short tasks of a dozen reasoning-gym generators (arithmetic, strings, dates...)
+
+The ``*_more`` and ``reasoning_*`` files are the real-target mix (config/smollm2.yaml): the
+embedded default's files are unchanged by them.
 
 Everything is deterministic (fixed seeds, gzip mtime=0), so reruns with the same
 package versions give byte-identical files.
@@ -122,6 +129,37 @@ def codeio_rows(max_code_chars, max_rows, seed, heldout_rows=0):
     return [candidates[i] for i in keep], [candidates[i] for i in held], len(source_rows)
 
 
+# ---------------------------------------------------------------- short reasoning tasks
+
+# reasoning-gym generators whose questions are short and self-contained (a chat-style instruction
+# with a short answer), spread over arithmetic, strings, dates and logic
+REASONING_TASKS = ["basic_arithmetic", "chain_sum", "leg_counting", "letter_counting", "word_sorting",
+                   "spell_backward", "number_sorting", "gcd", "lcm", "prime_factorization",
+                   "fraction_simplification", "base_conversion", "time_intervals", "calendar_arithmetic",
+                   "syllogism", "family_relationships"]
+
+
+def reasoning_rows(per_task, seed):
+    """``per_task`` rows of each generator in REASONING_TASKS (question -> answer), unique questions,
+    the tasks taking turns (so the first rows of the file, what an evaluation takes, span every task)."""
+    import itertools
+
+    import reasoning_gym
+
+    per = []
+    for task in REASONING_TASKS:
+        dataset = reasoning_gym.create_dataset(task, size=per_task, seed=seed)
+        rows, seen = [], set()
+        for idx in range(per_task):
+            item = dataset[idx]
+            if item["question"] in seen:
+                continue
+            seen.add(item["question"])
+            rows.append(chat(f"{task}-{seed}-{idx}", item["question"], str(item["answer"]), task))
+        per.append(rows)
+    return [row for turn in itertools.zip_longest(*per) for row in turn if row is not None]
+
+
 # ---------------------------------------------------------------- HumanEval
 
 
@@ -162,6 +200,11 @@ def main():
     parser.add_argument("--code-max-rows", type=int, default=1000, help="max rows in code_train (default: 1000)")
     parser.add_argument("--code-heldout", type=int, default=200, help="rows in code_heldout (default: 200)")
     parser.add_argument("--code-seed", type=int, default=1234, help="seed for sub-sampling code rows")
+    parser.add_argument("--math-more", type=int, default=12000, help="rows in math_more (default: 12000)")
+    parser.add_argument("--math-more-seed", type=int, default=2_000_000)
+    parser.add_argument("--code-more-max-chars", type=int, default=4000, help="max code_sample in code_more")
+    parser.add_argument("--reasoning-per-task", type=int, default=200, help="rows per reasoning task (train)")
+    parser.add_argument("--reasoning-heldout-per-task", type=int, default=12, help="rows per task (held out)")
     args = parser.parse_args()
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -179,12 +222,29 @@ def main():
                                                      args.code_heldout)
     humaneval = humaneval_rows()
 
+    seen = train_questions | {row["messages"][0]["content"] for row in math_heldout}
+    math_more, n_more_items = gsm_symbolic_rows(args.math_more, args.math_more_seed, exclude=seen)
+    more_range = range(args.math_more_seed, args.math_more_seed + n_more_items)
+    if any(r.start < more_range.stop and more_range.start < r.stop for r in (train_range, heldout_range)):
+        sys.exit(f"error: math_more's seed range {more_range} overlaps another split's; pick another seed")
+    taken = {row["id"] for row in code_train + code_heldout}
+    code_all, _, _ = codeio_rows(args.code_more_max_chars, 10**9, args.code_seed)
+    code_more = [row for row in code_all if row["id"] not in taken]
+    reasoning_train = reasoning_rows(args.reasoning_per_task, args.math_train_seed)
+    asked = {row["messages"][0]["content"] for row in reasoning_train}
+    reasoning_heldout = [row for row in reasoning_rows(args.reasoning_heldout_per_task, args.math_heldout_seed)
+                         if row["messages"][0]["content"] not in asked]
+
     outputs = {
         "math_train.jsonl.gz": math_train,
         "math_heldout.jsonl.gz": math_heldout,
         "code_train.jsonl.gz": code_train,
         "code_heldout.jsonl.gz": code_heldout,
         "humaneval.jsonl.gz": humaneval,
+        "math_more.jsonl.gz": math_more,
+        "code_more.jsonl.gz": code_more,
+        "reasoning_train.jsonl.gz": reasoning_train,
+        "reasoning_heldout.jsonl.gz": reasoning_heldout,
     }
     total = 0
     for name, rows in outputs.items():
