@@ -16,7 +16,7 @@ import yaml
 from conftest import PROMPTS, planned_rules, snakemake
 from dflashpipe.errors import UserError
 from dflashpipe.target import resolve_mask_token
-from dflashpipe.tokenize import encode_chat, tokenize_expanded
+from dflashpipe.tokenize import encode_chat, loop_start, tokenize_expanded
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -107,6 +107,57 @@ def test_loss_mask_with_a_default_system_turn_and_cut_replies(micro_target, tmp_
     stats = tokenize_expanded({"x": str(tmp_path / "e.parquet")}, str(path), 2, [128], str(tmp_path / "tok2"),
                               str(tmp_path / "s2.json"), cut_replies="drop", log=lambda m: None)
     assert stats["samples"] == 1 and stats["dropped"] == {"cut_reply": 2}
+
+
+def test_loop_start_finds_where_a_reply_starts_repeating():
+    head = [5, 6, 7, 8, 9, 10, 11, 12]
+    unit = [1, 2, 3, 2, 4]  # a unit that contains a repeated token is still one period
+    assert loop_start(head + unit * 6) == (len(head), 5)
+    assert loop_start(head + [3] * 20) == (len(head), 1)
+    # the loop may start inside the head: a head ending in the unit's tail belongs to the loop
+    assert loop_start([9, 9, 2, 4] + unit * 4) == (2, 5)
+    assert loop_start(head + unit * 2) is None  # 10 tokens of repetition: under min_span
+    assert loop_start(list(range(100))) is None
+    assert loop_start([]) is None
+
+
+def test_cut_replies_rules_are_the_schemas():
+    from dflashpipe.config import load_schema
+    from dflashpipe.tokenize import CUT_REPLIES
+
+    assert list(CUT_REPLIES) == load_schema()["properties"]["tokenize"]["properties"]["cut_replies"]["enum"]
+
+
+def test_cut_loop_keeps_a_looping_reply_up_to_its_loop(micro_target, tmp_path):
+    """tokenize.cut_replies cut_loop: a reply cut at the length limit because it loops keeps its text up
+    to the loop's first occurrence (out of the loss: the end of turn); a cut reply that does not loop
+    keeps all of its tokens, as mask_end; a finished reply is untouched."""
+    from transformers import AutoTokenizer
+
+    path = make_target(tmp_path / "t", micro_target, "llama")
+    tok = AutoTokenizer.from_pretrained(path)
+    prompt = [{"role": "user", "content": "Count."}]
+    head, unit = tok.encode("the answer is", add_special_tokens=False), tok.encode(" one two", add_special_tokens=False)
+    looping = head + unit * 12
+    straight = tok.encode("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda", add_special_tokens=False)
+    rows = [{"id": "loop", "sample": 0, "finish_reason": "length", "token_ids": looping,
+             "messages": prompt + [{"role": "assistant", "content": tok.decode(looping)}]},
+            {"id": "long", "sample": 0, "finish_reason": "length", "token_ids": straight,
+             "messages": prompt + [{"role": "assistant", "content": tok.decode(straight)}]},
+            {"id": "done", "sample": 0, "finish_reason": "stop", "token_ids": looping,
+             "messages": prompt + [{"role": "assistant", "content": tok.decode(looping)}]}]
+    pd.DataFrame(rows).to_parquet(tmp_path / "e.parquet")
+    stats = tokenize_expanded({"x": str(tmp_path / "e.parquet")}, str(path), 2, [256], str(tmp_path / "tok"),
+                              str(tmp_path / "s.json"), cut_replies="cut_loop", reply_ids="generated",
+                              log=lambda m: None)
+    import datasets
+
+    ds = datasets.load_from_disk(str(tmp_path / "tok"))
+    loss = {r["id"]: [i for i, m in zip(r["input_ids"], r["loss_mask"]) if m] for r in ds}
+    assert loss["loop"] == head + unit  # up to the first occurrence of the loop, no end of turn
+    assert loss["long"] == straight
+    assert loss["done"][: len(looping)] == looping and len(loss["done"]) > len(looping)  # + its end of turn
+    assert stats["cut_replies"]["cut_at_their_loop"] == 1 and stats["samples"] == 3
 
 
 def user_config(work: Path, target: Path, **overrides) -> Path:

@@ -12,7 +12,11 @@ A reply the target did not finish (``finish_reason`` ``length``: cut at
 made, yet the chat template closes every assistant turn. ``cut_replies``:
 ``mask_end`` (default) keeps the row and takes the closing tokens out of the
 loss (they are what follows the reply rendered with
-``continue_final_message``); ``drop`` drops the row. Both are counted.
+``continue_final_message``); ``drop`` drops the row; ``cut_loop`` keeps a reply
+that was cut because it repeats itself up to the first occurrence of its loop
+(:func:`loop_start`: the target wrote those tokens, the repetitions teach nothing
+but copying) with the closing tokens out of the loss, and a cut reply without a
+loop as ``mask_end`` does. All three are counted.
 
 Samples are truncated to ``max_length``; those left with fewer than
 ``2 * block_size`` loss tokens cannot give a drafter a full block to learn
@@ -25,6 +29,8 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from pathlib import Path
+
+import numpy as np
 
 from dflashpipe.atomic import atomic_path, write_json
 from dflashpipe.data import read_parquet
@@ -108,9 +114,29 @@ def encode_chat(tokenizer, messages: list[dict], max_length: int, chat_template_
     return ids, mask, len(full)
 
 
+def loop_start(ids, max_period: int = 256, min_span: int = 16) -> tuple[int, int] | None:
+    """(start, period) of the repetition a reply ends in, or None.
+
+    The reply ``ids[start:]`` is periodic with ``period`` tokens, repeated at least twice and over
+    at least ``min_span`` tokens; of all periods the one whose repetition starts earliest wins (the
+    shortest on a tie). A reply cut at the length limit by a greedy loop ends this way.
+    """
+    a = np.asarray(ids, dtype=np.int64)
+    n, best = len(a), None
+    for p in range(1, min(max_period, n // 2) + 1):
+        differ = np.flatnonzero(a[:-p] != a[p:])
+        start = int(differ[-1]) + 1 if len(differ) else 0  # a[start:] repeats with period p
+        if n - start >= max(2 * p, min_span) and (best is None or start < best[0]):
+            best = (start, p)
+    return best
+
+
 def bucket_for(length: int, buckets: list[int]) -> int:
     """The smallest bucket length >= length (buckets are sorted ascending)."""
     return buckets[bisect.bisect_left(buckets, length)]
+
+
+CUT_REPLIES = ("mask_end", "drop", "cut_loop")  # tokenize.cut_replies (the schema's enum; a test binds them)
 
 
 def tokenize_expanded(
@@ -142,11 +168,11 @@ def tokenize_expanded(
     max_length = buckets[-1]
     tokenizer = load_tokenizer(target_path)
     min_loss_tokens = 2 * block_size
-    if cut_replies not in ("mask_end", "drop"):
-        raise UserError(f"tokenize.cut_replies: {cut_replies!r} is not one of mask_end, drop")
+    if cut_replies not in CUT_REPLIES:
+        raise UserError(f"tokenize.cut_replies: {cut_replies!r} is not one of {', '.join(CUT_REPLIES)}")
     if reply_ids not in ("text", "generated"):
         raise UserError(f"tokenize.reply_ids: {reply_ids!r} is not one of text, generated")
-    records, dropped, truncated, cut_masked = [], Counter(), 0, 0
+    records, dropped, truncated, cut_masked, loops_cut = [], Counter(), 0, 0, 0
     id_outcomes = Counter()  # encode_chat's info["ids"] per tokenized reply
     per_dataset = {}
     for name, path in expanded_paths.items():
@@ -167,6 +193,14 @@ def tokenize_expanded(
                 continue
             gen = getattr(row, "token_ids", None)  # absent (an older expansion) or null: the text only
             gen = None if gen is None or isinstance(gen, float) else gen
+            if cut and cut_replies == "cut_loop":
+                reply = list(gen) if gen is not None else tokenizer.encode(messages[-1]["content"],
+                                                                          add_special_tokens=False)
+                loop = loop_start(reply)
+                if loop is not None:  # keep the reply up to its loop's first occurrence
+                    gen = reply[: loop[0] + loop[1]]
+                    messages[-1]["content"] = tokenizer.decode(gen, skip_special_tokens=True)
+                    loops_cut += 1
             info = {}
             try:
                 ids, mask, full_len = encode_chat(tokenizer, messages, max_length, chat_template_kwargs, cut=cut,
@@ -228,6 +262,7 @@ def tokenize_expanded(
         "dropped_total": int(sum(dropped.values())),
         "truncated": int(truncated),
         "cut_replies": {"rule": cut_replies, "kept_with_end_of_turn_out_of_the_loss": int(cut_masked),
+                        "cut_at_their_loop": int(loops_cut),
                         "dropped": int(dropped["cut_reply"] + dropped["cut_reply_not_maskable"])},
         "chat_template_kwargs": dict(chat_template_kwargs or {}),
         "generated_ids": {
