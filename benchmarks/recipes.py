@@ -9,6 +9,7 @@ evaluation (DFlash and same-harness AR, greedy) on every ``use: eval`` dataset:
 * ``dflash_ce``       the paper's recipe (today's default): DFlash, CE on the data, exp decay weights
 * ``dflash_kl_dpace`` distillation: KL to the target's own distribution, D-PACE position weights
 * ``dflash_swa``      DFlash with every layer sliding-window (``--window`` tokens)
+* ``dflash_kl``       DFlash, KL to the target's own distribution, exp decay weights
 * ``dflash2``         DFlash 2: convolutions + candidate selector, KL (speculators' default objective)
 
 Every recipe sees the same samples in the same order with the same anchors (the data order is a
@@ -38,11 +39,12 @@ sys.path.insert(0, str(REPO / "workflow"))
 
 import torch  # noqa: E402
 
-RECIPES = {
-    "dflash_ce": {},
-    "dflash_kl_dpace": {"train": {"loss": "kl", "position_weights": "dpace"}},
-    "dflash_swa": {"drafter": {"sliding_window": "WINDOW"}},
-    "dflash2": {"drafter": {"arch": "dflash2"}, "train": {"loss": "kl"}},
+RECIPES = {  # each names its arch and loss: the config files' own choices must not leak into a row
+    "dflash_ce": {"drafter": {"arch": "dflash"}, "train": {"loss": "ce", "position_weights": "decay"}},
+    "dflash_kl": {"drafter": {"arch": "dflash"}, "train": {"loss": "kl", "position_weights": "decay"}},
+    "dflash_kl_dpace": {"drafter": {"arch": "dflash"}, "train": {"loss": "kl", "position_weights": "dpace"}},
+    "dflash_swa": {"drafter": {"arch": "dflash", "sliding_window": "WINDOW"}, "train": {"loss": "ce"}},
+    "dflash2": {"drafter": {"arch": "dflash2"}, "train": {"loss": "kl", "position_weights": "decay"}},
 }
 
 
@@ -103,7 +105,7 @@ def prepare_data(cfg: dict, target: str | None, data: Path, device: str, log) ->
         if not prompts[name].exists():
             prepare_prompts(spec, name, str(prompts[name]), repo_root=str(REPO))
     target = target or tiny_target(cfg, prompts, data / "target", log)
-    tokenized = data / "tokenized"
+    tokenized = tokenized_dir(cfg, data)
     if tokenized.exists():
         return prompts, target
     s = settings(ExpandSettings, cfg["expand"], seed=cfg["seed"])
@@ -117,10 +119,16 @@ def prepare_data(cfg: dict, target: str | None, data: Path, device: str, log) ->
             log(f"expanded {name} in {time.time() - t0:.1f}s")
     tk = cfg["tokenize"]
     tokenize_expanded({n: str(p) for n, p in expanded.items()}, target, cfg["drafter"]["block_size"], tk["buckets"],
-                      str(tokenized), str(data / "tokenized_stats.json"),
+                      str(tokenized), f"{tokenized}_stats.json",
                       chat_template_kwargs=cfg["expand"]["chat_template_kwargs"], cut_replies=tk["cut_replies"],
                       reply_ids=tk["reply_ids"], log=log)
     return prompts, target
+
+
+def tokenized_dir(cfg: dict, data: Path) -> Path:
+    """One tokenized dataset per way of reading the replies (the expansions are shared)."""
+    tk = cfg["tokenize"]
+    return data / f"tokenized_{tk['cut_replies']}_{tk['reply_ids']}"
 
 
 def recipe_config(cfg: dict, recipe: str, window: int, seed: int) -> dict:
@@ -137,6 +145,9 @@ def train_one(cfg: dict, target: str, tokenized: str, run: Path, device: str, lo
     from dflashpipe.drafter.export import export_final
     from dflashpipe.drafter.train import TrainConfig, train_rank
 
+    if (run / "drafter").is_dir() and (run / "summary.json").exists():  # trained by an earlier call
+        log(f"{run}: trained already, evaluating its drafter")
+        return json.loads((run / "summary.json").read_text())
     tc = settings(TrainConfig, cfg["drafter"], cfg["train"], seed=cfg["seed"], tensorboard=False)
     run.mkdir(parents=True, exist_ok=True)
     rdzv = (run / "rendezvous").resolve()  # a file:// URL needs an absolute path
@@ -146,16 +157,18 @@ def train_one(cfg: dict, target: str, tokenized: str, run: Path, device: str, lo
                          str(run / "metrics.csv"), str(run / "summary.json"), final_state=str(run / "final.safetensors"),
                          log=log)
     summary["wall_s"] = time.time() - t0
+    (run / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     export_final(run / "final.safetensors", target, run / "drafter", log=log)
     return summary
 
 
-def evaluate_one(cfg: dict, target: str, drafter: Path, prompts: dict, run: Path, device: str, log) -> dict:
+def evaluate_one(cfg: dict, target: str, drafter: Path, prompts: dict, run: Path, device: str, log,
+                 methods=("dflash", "ar")) -> dict:
     from dflashpipe.evaluate.run import EvalSettings, evaluate_dataset
 
     ev = cfg["evaluate"]
     settings = EvalSettings(max_new_tokens=ev["max_new_tokens"], temperature=0.0, num_prompts=ev["num_prompts"],
-                            methods=["dflash", "ar"], lossless="report", target_step=ev["target_step"], seed=cfg["seed"],
+                            methods=list(methods), lossless="report", target_step=ev["target_step"], seed=cfg["seed"],
                             chat_template_kwargs=cfg["expand"]["chat_template_kwargs"])
     out = {}
     for name, spec in cfg["datasets"].items():
@@ -168,12 +181,12 @@ def evaluate_one(cfg: dict, target: str, drafter: Path, prompts: dict, run: Path
 
 
 def row_of(recipe, seed, dataset, train, ev) -> dict:
-    d, ar = ev["methods"]["dflash"], ev["methods"]["ar"]
+    d, ar = ev["methods"]["dflash"], ev["methods"].get("ar", {})  # without ar: tau only (no speed-up)
     return {
         "recipe": recipe, "seed": seed, "dataset": dataset,
         "tau_pooled": d.get("tau_pooled"), "tau_mean": d.get("tau_mean"), "simulated_tau": train.get("heldout_sim_tau"),
         "speedup_vs_ar": d.get("speedup_vs_ar"), "dflash_tokens_per_s": d.get("tokens_per_s"),
-        "ar_tokens_per_s": ar.get("tokens_per_s"), "lossless_passed": (ev.get("lossless") or {}).get("passed"),
+        "ar_tokens_per_s": ar.get("tokens_per_s"), "ar_mode": ar.get("mode"), "lossless_passed": (ev.get("lossless") or {}).get("passed"),
         "heldout_acc": train.get("heldout_acc"), "heldout_loss": train.get("heldout_loss"),
         "train_tokens_per_s": train.get("tokens_per_s"), "train_steps": train.get("steps"),
         "train_peak_mem_mb": max(r["peak_mem_mb"] for r in train["ranks"]), "train_wall_s": train.get("wall_s"),
@@ -187,6 +200,7 @@ def summarise(rows, out: Path) -> None:
     df.to_csv(out / "runs.csv", index=False)
     figures = ["tau_pooled", "tau_mean", "simulated_tau", "speedup_vs_ar", "heldout_acc", "train_tokens_per_s",
                "train_peak_mem_mb"]
+    df[figures] = df[figures].astype(float)  # a run without AR has no speed-up (NaN)
     g = df.groupby(["dataset", "recipe"], sort=False)[figures]
     summary = g.mean().add_suffix("_mean").join(g.min().add_suffix("_min")).join(g.max().add_suffix("_max"))
     summary["seeds"] = g.size()
@@ -258,6 +272,10 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--copy-to", help="also copy the summary files here (e.g. $OUT on the GPU machine)")
+    ap.add_argument("--methods", default="dflash,ar", help="evaluation methods (dflash and ar first)")
+    ap.add_argument("--label", help="the rows' recipe name (default: the recipe's), e.g. for a data variant")
+    ap.add_argument("--data-only", action="store_true", help="prepare the data (and tokenize) and stop")
+    ap.add_argument("--combine", nargs="+", help="summarise the runs.csv of these earlier --out folders into --out")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -271,25 +289,36 @@ def main() -> int:
         logf.write(f"{msg}\n")
         logf.flush()
 
+    if a.combine:
+        import pandas as pd
+
+        rows = pd.concat([pd.read_csv(Path(d) / "runs.csv") for d in a.combine]).to_dict("records")
+        summarise(rows, out)
+        if a.copy_to:
+            copy_summary(out, Path(a.copy_to))
+        return 0
     cfg = merged_config(a.config, a.set + ([f"target.path={a.target}"] if a.target else []))
     target = cfg["target"]["path"]
     data = Path(a.data) if a.data else out / "data"
     t0 = time.time()
     prompts, target = prepare_data(cfg, target, data, a.device, log)
     log(f"data ready in {time.time() - t0:.1f}s: {data}")
+    if a.data_only:
+        return 0
+    tokenized = str(tokenized_dir(cfg, data))
     rows = []
     for seed in [int(s) for s in a.seeds.split(",")]:
         for recipe in a.recipes.split(","):
             rc = recipe_config(cfg, recipe, a.window, seed)
             run = out / "runs" / f"{recipe}_s{seed}"
             log(f"== {recipe} seed {seed}")
-            train = train_one(rc, target, str(data / "tokenized"), run, a.device, log)
-            evs = evaluate_one(rc, target, run / "drafter", prompts, run, a.device, log)
+            train = train_one(rc, target, tokenized, run, a.device, log)
+            evs = evaluate_one(rc, target, run / "drafter", prompts, run, a.device, log, a.methods.split(","))
             for dataset, ev in evs.items():
-                rows.append(row_of(recipe, seed, dataset, train, ev))
+                rows.append(row_of(a.label or recipe, seed, dataset, train, ev))
                 r = rows[-1]
                 log(f"{recipe} s{seed} {dataset}: tau {r['tau_pooled']:.2f} (simulated {r['simulated_tau']:.2f}), "
-                    f"speed-up {r['speedup_vs_ar']:.2f}x, held-out acc {r['heldout_acc']:.3f}, "
+                    f"speed-up {r['speedup_vs_ar'] or float('nan'):.2f}x, held-out acc {r['heldout_acc']:.3f}, "
                     f"train {r['train_tokens_per_s']:,.0f} tok/s")
             summarise(rows, out)  # after every run: a cut-off call still leaves its figures
             if a.copy_to:

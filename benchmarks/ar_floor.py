@@ -1,0 +1,134 @@
+"""The batch-1 AR step of a small target against its floor: kernels per step x the cost of a graph node.
+
+A 135M-parameter target reads its weights (~0.27 GB in bf16) in ~0.06 ms at an H200's bandwidth, so
+its batch-1 step is bound by the number of GPU kernels it runs, not by memory. For each way the
+evaluation can run the target's step (:class:`~dflashpipe.decode.static_target.StaticTargetRunner`:
+captured as is, or compiled by Inductor first) this prints:
+
+* ``kernels``: GPU kernels of one step (profiled uncaptured: the same kernels the graph holds);
+* ``graph_ms``: one replay of the captured step alone;
+* ``loop_ms``: one token of the evaluation's AR loop (:class:`~dflashpipe.decode.speculative.ARDecoder`:
+  replay + argmax + the host's copy of the token), over ``--new`` tokens;
+* the floor: ``kernels x node_us``, where ``node_us`` is a replayed graph's cost per node, measured
+  on a graph of tiny kernels; and the weights' memory-bound time beside it.
+
+    python benchmarks/ar_floor.py --target resources/targets/smollm2-135m-instruct --out ar_floor.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "workflow"))
+
+import torch  # noqa: E402
+
+
+def node_cost_us(device, nodes: int = 1000) -> float:
+    """Replay time per node of a CUDA graph of ``nodes`` tiny kernels (the launch floor inside a graph)."""
+    from dflashpipe.decode.cuda_graph import capture
+
+    x = torch.zeros(16, device=device)
+
+    def many():
+        for _ in range(nodes):
+            x.add_(1)
+        return x
+
+    graph, _ = capture(many, device)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize(device)
+    t0, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / reps / nodes * 1e6
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + write counted)."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        b.copy_(a)
+    torch.cuda.synchronize(device)
+    return 2 * a.numel() * 5 / (time.perf_counter() - t0)
+
+
+def kernels_of(fn, device) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def measure(target: str, compile: bool, new: int, prompt_len: int, device) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from dflashpipe.decode.speculative import ARDecoder
+    from dflashpipe.decode.static_target import StaticTargetRunner
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).to(device).eval()
+    runner = StaticTargetRunner(model, capacity=1024, graph_sizes=(1,), compile=compile)
+    prompt = torch.randint(100, 1000, (prompt_len,)).tolist()
+    dec = ARDecoder(model, eos_ids=[], runner=runner)
+    t0 = time.perf_counter()
+    dec.generate(prompt, 8)  # captures (and compiles) the step
+    setup_s = time.perf_counter() - t0
+    res = dec.generate(prompt, new)
+    loop_ms = res.decode_s / max(1, res.decode_tokens) * 1e3
+    ids = torch.tensor([[prompt[-1]]], device=device)
+    pos = torch.tensor([prompt_len], device=device)
+    with torch.no_grad():
+        kernels = kernels_of(lambda: runner._captured_step(ids, pos, False, True), device)
+        graph = runner._graphs[(1, False)][0]
+        torch.cuda.synchronize(device)
+        t0, reps = time.perf_counter(), 200
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize(device)
+    graph_ms = (time.perf_counter() - t0) / reps * 1e3
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"mode": runner.mode, "kernels": kernels, "graph_ms": graph_ms, "loop_ms": loop_ms,
+            "loop_tokens": res.decode_tokens, "setup_s": setup_s, "weight_bytes": weight_bytes}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=120)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    device = torch.device("cuda")
+    node_us, bw = node_cost_us(device), copy_bandwidth(device)
+    rows = []
+    for compile in (False, True):
+        r = measure(a.target, compile, a.new, a.prompt_len, device)
+        r["floor_ms"] = r["kernels"] * node_us / 1e3
+        r["memory_bound_ms"] = r["weight_bytes"] / bw * 1e3
+        rows.append(r)
+        print(f"{r['mode']}: {r['kernels']} kernels/step, graph {r['graph_ms']:.3f} ms, AR loop {r['loop_ms']:.3f} "
+              f"ms/token; floor {r['kernels']} x {node_us:.2f} us = {r['floor_ms']:.3f} ms; memory-bound "
+              f"{r['memory_bound_ms']:.3f} ms; setup {r['setup_s']:.1f} s", flush=True)
+    out = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "node_us": node_us,
+           "copy_bytes_per_s": bw, "modes": rows}
+    if a.out:
+        Path(a.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

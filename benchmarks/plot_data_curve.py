@@ -1,0 +1,63 @@
+"""The data-and-steps curve: held-out simulated tau and accuracy against training samples seen.
+
+Reads the ``metrics.csv`` of every recipes.py run under RUNS (``RUNS/<name>/runs/<recipe>_s<seed>/``),
+plots one line per run and prints, per run, where its simulated tau comes within 2% of its last value
+(the samples it took to flatten).
+
+    python benchmarks/plot_data_curve.py RUNS curve.png
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+FLAT = 0.02  # within 2% of the last held-out figure
+
+
+def curves(runs: Path) -> dict[str, pd.DataFrame]:
+    out = {}
+    for metrics in sorted(runs.glob("*/runs/*/metrics.csv")):
+        df = pd.read_csv(metrics).dropna(subset=["heldout_sim_tau"])
+        summary = json.loads((metrics.parent / "summary.json").read_text())
+        df["samples"] = df["step"] * int(summary.get("global_batch") or summary.get("batch_size") or 0)
+        out[f"{metrics.parents[2].name} ({metrics.parent.name})"] = df
+    return out
+
+
+def flattened_at(df: pd.DataFrame) -> int:
+    """Samples seen when the held-out simulated tau first comes within FLAT of its last value, to stay."""
+    last = df["heldout_sim_tau"].iloc[-1]
+    close = (df["heldout_sim_tau"] >= (1 - FLAT) * last).tolist()
+    first = next(i for i in range(len(close)) if all(close[i:]))
+    return int(df["samples"].iloc[first])
+
+
+def main(runs: str, png: str) -> int:
+    data = curves(Path(runs))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for name, df in data.items():
+        x = df["samples"] if df["samples"].max() > 0 else df["step"]
+        axes[0].plot(x, df["heldout_sim_tau"], marker=".", label=name)
+        axes[1].plot(x, df["heldout_acc"], marker=".", label=name)
+        print(f"{name}: simulated tau {df['heldout_sim_tau'].iloc[-1]:.2f} at {int(x.iloc[-1]):,} samples; "
+              f"within {FLAT:.0%} of it from {flattened_at(df):,} samples")
+    for ax, title in zip(axes, ["held-out simulated tau", "held-out accuracy (block positions)"]):
+        ax.set_xlabel("training samples seen")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(*sys.argv[1:3]))
