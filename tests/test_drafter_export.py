@@ -319,7 +319,7 @@ def test_roundtrip_of_dflash2_and_sliding_windows(tmp_path, case):
         cache = m.new_cache()
         m.extend_context(cache, feats, torch.arange(S).view(1, -1))
         hidden = m.draft(cache, block, torch.arange(S, S + 4).view(1, -1))
-        drafts.append((hidden, m.propose(hidden[:, 1:], torch.tensor([7]), head)))
+        drafts.append((hidden, m.propose(hidden, torch.tensor([7]), head)))
     assert torch.equal(drafts[0][0], drafts[1][0]) and torch.equal(drafts[0][1], drafts[1][1])
 
 
@@ -480,10 +480,10 @@ def test_export_loads_with_automodel_trust_remote_code_and_decodes_as_the_pipeli
     assert max(accepted) >= 1, accepted  # drafts were accepted: the comparison is not of empty steps
     if cfg.arch == "dflash2":  # the selector is live: it proposes other tokens than the argmax somewhere
         g = torch.Generator().manual_seed(0)
-        hidden = torch.randn(8, SBS - 1, cfg.hidden_size, generator=g, dtype=torch.float64)
+        hidden = torch.randn(8, SBS, cfg.hidden_size, generator=g, dtype=torch.float64)
         head = target.get_output_embeddings().weight
         anchors = torch.arange(8) + 5
-        assert not torch.equal(ours.propose(hidden, anchors, head), ours.compute_logits(hidden, head).argmax(-1))
+        assert not torch.equal(ours.propose(hidden, anchors, head), ours.compute_logits(hidden[:, 1:], head).argmax(-1))
 
 
 #: z-lab's own classes and loop (github.com/z-lab/dflash, dflash/model.py) on our exports, in a fresh process

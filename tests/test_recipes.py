@@ -135,16 +135,17 @@ def test_selector_path_reranks_by_the_previous_token():
     cfg = dflash2_cfg()
     model = DFlashDrafter(cfg).eval()
     lm_head = torch.randn(V, H)
-    hidden = torch.randn(3, cfg.block_size - 1, H)
+    block = torch.randn(3, cfg.block_size, H)
+    hidden = block[:, 1:]  # slots 1..bs-1 draft
     anchors = torch.tensor([1, 2, 3])
     # a fresh selector (zero successor codebook) proposes exactly the argmax
-    assert torch.equal(model.propose(hidden, anchors, lm_head), model.compute_logits(hidden, lm_head).argmax(-1))
+    assert torch.equal(model.propose(block, anchors, lm_head), model.compute_logits(hidden, lm_head).argmax(-1))
     sel = model.candidate_selector
     with torch.no_grad():
         sel.successor_codebook.normal_(0, 3.0)
         sel.predecessor_codebook.normal_(0, 3.0)
         sel.hidden_projection.weight.normal_(0, 1.0)
-    path = model.propose(hidden, anchors, lm_head)
+    path = model.propose(block, anchors, lm_head)
     logits = model.compute_logits(hidden, lm_head)
     unary, cand = logits.topk(cfg.selector_top_k, dim=-1)
     prev = anchors
@@ -321,7 +322,8 @@ def test_simulated_tau_counts_each_blocks_leading_run():
     hidden = F.one_hot(want, H).float() * 10
     target = SimpleNamespace(get_output_embeddings=lambda: SimpleNamespace(weight=lm))
     batch = SimpleNamespace(input_ids=ids, loss_mask=loss_mask, anchors=anchors, keep=keep)
-    setup = SimpleNamespace(block_size=bs, mask_token_id=cfg.mask_token_id, gamma=2.0, loss_chunk_size=3)
+    setup = SimpleNamespace(block_size=bs, mask_token_id=cfg.mask_token_id, gamma=2.0, loss_chunk_size=3,
+                            label_shift=0)
     drafter = DFlashDrafter(cfg)
     sums = acceptance_sums(drafter, hidden, target, batch, setup)
     correct, valid, accepted, reached = sums[: 4 * (bs - 1)].view(4, bs - 1)
