@@ -438,7 +438,7 @@ def test_dspark_training_step_trains_backbone_markov_and_confidence_heads():
     batch = SimpleNamespace(input_ids=ids, loss_mask=lm, anchors=anchors, keep=keep, index=None)
     setup = Setup(device=torch.device("cpu"), attention="sdpa", compile="none", autocast_dtype=None,
                   target_dtype=torch.float32, block_size=4, label_shift=1, num_anchors=anchors.shape[1],
-                  mask_token_id=V - 1, layer_ids=cfg.target_layer_ids, gamma=default_gamma(5), loss_chunk_size=7,
+                  mask_token_id=V - 1, layer_ids=cfg.target_layer_ids, gamma=default_gamma(4, 1), loss_chunk_size=7,
                   grad_clip=1.0, rank_batch=2, objective=Objective("dspark", accept=True))
     loss_sum, _, loss_w, _ = forward_loss(drafter, target, batch, setup)
     assert loss_w > 0

@@ -3,9 +3,10 @@
 The simulated acceptance length (``sim_tau``) answers "what tau would greedy decoding
 see on these blocks?" from the training forward alone: per held-out block (the
 target's own reply as the labels, fixed anchors), the drafter's proposals for
-positions 1..bs-1 (DFlash: the argmax; DFlash 2: the candidate selector's path; DSpark: every
-position, its Markov head over the tokens it proposed; as at inference) are compared with the labels; the block's accepted length is 1 (the
-target's bonus token) plus its leading run of correct proposals, positions without
+positions 1..bs-1 (DFlash: the argmax; DFlash 2: the candidate selector's path; DSpark:
+every position, its Markov head over the tokens it proposed before; as at inference) are
+compared with the labels; the block's accepted length is 1 (the target's bonus token)
+plus its leading run of correct proposals, positions without
 a label (past the reply's end) passing through uncounted, as SpecForge counts it.
 ``sim_tau`` is its mean over blocks; per position, ``accept_by_position`` is the
 conditional acceptance P(correct at k | accepted up to k), whose running product

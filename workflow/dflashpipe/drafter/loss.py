@@ -99,7 +99,7 @@ def _chunk_stats(logits, y, teacher, obj: Objective, need_grad: bool):
     accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0) if obj.accept else None
     if not need_grad:
         return per_row, correct, None, accept
-    g = DSPARK_CE * (q - onehot.float()) if obj.loss == "dspark" else q - p  # d(CE or KL)/dx
+    g = DSPARK_CE * (q - onehot.float()) if obj.loss == "dspark" else q - p  # d(CE, KL or its CE part)/dx
     if l1_weight > 0:
         s = torch.sign(q - p)
         g = g + l1_weight * q * (s - (s * q).sum(-1, keepdim=True))

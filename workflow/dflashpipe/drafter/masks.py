@@ -21,14 +21,16 @@ from torch.nn.attention.flex_attention import create_block_mask
 _KNOWN_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
-def default_gamma(block_size: int) -> float:
+def default_gamma(block_size: int, shift: int = 0) -> float:
     """Decay constant of the loss weights exp(-(k-1)/gamma).
 
     7 for bs 16, 5 for bs 10, 4 for bs 8 (paper). Other sizes: piecewise-linear
     through those points, (8, 4) - (10, 5) - (16, 7), extended linearly at the
-    ends, never below 1 (bs 4 -> 2, bs 12 -> 5.67, bs 32 -> 12.33).
+    ends, never below 1 (bs 4 -> 2, bs 12 -> 5.67, bs 32 -> 12.33). By the drafted
+    positions: with a label shift (DSpark: bs drafts per block) that of bs + shift
+    (DSpark's block 7 -> 4, DeepSpec's recipe).
     """
-    bs = int(block_size)
+    bs = int(block_size) + int(shift)
     if bs in _KNOWN_GAMMA:
         return _KNOWN_GAMMA[bs]
     if bs < 10:
@@ -178,7 +180,7 @@ def build_block_inputs(
     B, S = input_ids.shape
     N = anchors.shape[1]
     bs = int(block_size)
-    gamma = default_gamma(bs + int(shift)) if gamma is None else float(gamma)
+    gamma = default_gamma(bs, shift) if gamma is None else float(gamma)
     dev = input_ids.device
     k = torch.arange(bs, device=dev)
     pos = anchors[:, :, None] + k + int(shift)  # [B, N, bs]

@@ -25,7 +25,8 @@ from dflashpipe.errors import UserError
 from .data import PRIME_SALT, make_batch, sample_seed
 from .distributed import all_reduce_
 from .features import TargetCache, compiled_target_layer, context_features
-from .loss import DSPARK_CONFIDENCE, EAGER_CE, ChunkCE, Objective, block_loss, compiled_chunk_ce, confidence_loss, selector_loss
+from .loss import (DSPARK_CONFIDENCE, EAGER_CE, ChunkCE, Objective, block_loss, compiled_chunk_ce, confidence_loss,
+                   selector_loss)
 from .masks import block_mask, block_position_ids, build_block_inputs, default_gamma, dense_mask, dpace_weights
 from .model import resolve_layer_types
 
@@ -97,7 +98,7 @@ def resolve_setup(cfg, device: str, mask_token_id: int, layer_ids: list[int], wo
         num_anchors=cfg.num_anchors,
         mask_token_id=int(mask_token_id),
         layer_ids=list(layer_ids),
-        gamma=default_gamma(cfg.block_size + int(dspark)),  # by the drafted positions: DSpark 7 -> 4, as DeepSpec
+        gamma=default_gamma(cfg.block_size, int(dspark)),
         loss_chunk_size=cfg.loss_chunk_size,
         grad_clip=cfg.grad_clip,
         rank_batch=cfg.batch_size // world_size,
