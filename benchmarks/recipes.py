@@ -10,6 +10,8 @@ evaluation (DFlash and same-harness AR, greedy) on every ``use: eval`` dataset:
 * ``dflash_kl_dpace`` distillation: KL to the target's own distribution, D-PACE position weights
 * ``dflash_swa``      DFlash with every layer sliding-window (``--window`` tokens)
 * ``dflash2``         DFlash 2: convolutions + candidate selector, KL (speculators' default objective)
+* ``dspark``          DSpark: Markov and confidence heads, every block position drafting, DeepSpec's
+                      0.1 CE + 0.9 L1 loss (at the config's block size, as the others; its recipe uses 7)
 
 Every recipe sees the same samples in the same order with the same anchors (the data order is a
 function of the seed only), the same number of steps and the same attention path. GPU training
@@ -43,6 +45,7 @@ RECIPES = {
     "dflash_kl_dpace": {"train": {"loss": "kl", "position_weights": "dpace"}},
     "dflash_swa": {"drafter": {"sliding_window": "WINDOW"}},
     "dflash2": {"drafter": {"arch": "dflash2"}, "train": {"loss": "kl"}},
+    "dspark": {"drafter": {"arch": "dspark"}, "train": {"loss": "dspark", "position_weights": "decay"}},
 }
 
 
