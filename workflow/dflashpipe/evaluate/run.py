@@ -141,9 +141,8 @@ def _row(pid, method: str, r: DecodeResult, ar: DecodeResult | None, tokenizer) 
 
 
 def _summarise(method: str, results: list[DecodeResult], ar: list[DecodeResult], block_size: int, extra: dict,
-               verify_len: int | None = None) -> dict:
-    """``verify_len``: tokens of one verify (the anchor and the drafts: block_size, DSpark block_size + 1)."""
-    verify_len = verify_len or block_size
+               verify_len: int) -> dict:
+    """``verify_len``: tokens of one verify, the anchor and the drafts (block_size; DSpark: block_size + 1)."""
     dec_tokens = sum(r.decode_tokens for r in results)
     dec_s = sum(r.decode_s for r in results)
     ar_tokens = sum(r.decode_tokens for r in ar)
