@@ -11,6 +11,9 @@ evaluation (DFlash and same-harness AR, greedy) on every ``use: eval`` dataset:
 * ``dflash_swa``      DFlash with every layer sliding-window (``--window`` tokens)
 * ``dflash_kl``       DFlash, KL to the target's own distribution, exp decay weights
 * ``dflash2``         DFlash 2: convolutions + candidate selector, KL (speculators' default objective)
+* ``dspark``          DSpark: Markov and confidence heads, every block position drafting, DeepSpec's
+                      0.1 CE + 0.9 L1 loss, at one block position less than the config's (the same
+                      number of drafted and verified tokens as the others; DeepSpec's recipe: 7)
 
 Every recipe sees the same samples in the same order with the same anchors (the data order is a
 function of the seed only), the same number of steps and the same attention path. GPU training
@@ -45,6 +48,10 @@ RECIPES = {  # each names its arch and loss: the config files' own choices must 
     "dflash_kl_dpace": {"drafter": {"arch": "dflash"}, "train": {"loss": "kl", "position_weights": "dpace"}},
     "dflash_swa": {"drafter": {"arch": "dflash", "sliding_window": "WINDOW"}, "train": {"loss": "ce"}},
     "dflash2": {"drafter": {"arch": "dflash2"}, "train": {"loss": "kl", "position_weights": "decay"}},
+    # every position of a DSpark block drafts: a block one shorter proposes as many tokens and verifies
+    # as many as the others' (DeepSpec's recipe: 7)
+    "dspark": {"drafter": {"arch": "dspark", "block_size": "BLOCK-1"},
+               "train": {"loss": "dspark", "position_weights": "decay"}},
 }
 
 
@@ -134,7 +141,8 @@ def tokenized_dir(cfg: dict, data: Path) -> Path:
 def recipe_config(cfg: dict, recipe: str, window: int, seed: int) -> dict:
     out = copy.deepcopy(cfg)
     for section, keys in RECIPES[recipe].items():
-        out[section].update({k: (window if v == "WINDOW" else v) for k, v in keys.items()})
+        special = {"WINDOW": window, "BLOCK-1": cfg["drafter"]["block_size"] - 1}
+        out[section].update({k: special.get(v, v) if isinstance(v, str) else v for k, v in keys.items()})
     out["seed"] = seed
     return out
 

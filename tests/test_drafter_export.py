@@ -277,6 +277,7 @@ ARCH_CASES = {
     "sliding": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
     "dflash2_sliding": dict(arch="dflash2", conv_group_size=8, selector_rank=4, selector_top_k=3,
                             layer_types=["full_attention", "sliding_attention"], sliding_window=4),
+    "dspark": dict(arch="dspark", markov_rank=8),
 }
 
 
@@ -292,7 +293,7 @@ def random_drafter(cfg, seed=0):
 
 
 @pytest.mark.parametrize("case", sorted(ARCH_CASES))
-def test_roundtrip_of_dflash2_and_sliding_windows(tmp_path, case):
+def test_roundtrip_of_every_arch_and_sliding_windows(tmp_path, case):
     tc = tiny_target_config()
     cfg = DrafterConfig.from_target_config(tc, 2, 4, V - 1, **ARCH_CASES[case])
     model = random_drafter(cfg)
@@ -301,7 +302,7 @@ def test_roundtrip_of_dflash2_and_sliding_windows(tmp_path, case):
     assert cfg2 == cfg
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "dflash.py", "model.safetensors"]
     d = json.loads((out / "config.json").read_text())
-    arch = "DFlash2DraftModel" if cfg.arch == "dflash2" else "DFlashDraftModel"
+    arch = {"dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}.get(cfg.arch, "DFlashDraftModel")
     assert d["architectures"] == [arch] and d["auto_map"] == {"AutoModel": f"dflash.{arch}"}
     assert d["layer_types"] == cfg.layer_types
     if cfg.sliding_window:
@@ -319,7 +320,7 @@ def test_roundtrip_of_dflash2_and_sliding_windows(tmp_path, case):
         cache = m.new_cache()
         m.extend_context(cache, feats, torch.arange(S).view(1, -1))
         hidden = m.draft(cache, block, torch.arange(S, S + 4).view(1, -1))
-        drafts.append((hidden, m.propose(hidden[:, 1:], torch.tensor([7]), head)))
+        drafts.append((hidden, m.propose(hidden, torch.tensor([7]), head)))
     assert torch.equal(drafts[0][0], drafts[1][0]) and torch.equal(drafts[0][1], drafts[1][1])
 
 
@@ -335,7 +336,7 @@ def test_a_sliding_layer_without_is_causal_false_is_refused(tmp_path):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("case", ["dflash2", "sliding"])
+@pytest.mark.parametrize("case", ["dflash2", "sliding", "dspark"])
 def test_transformers_assistant_refuses_what_it_cannot_run(tmp_path, case):
     from dflashpipe.evaluate.hf_assistant import export_hf_assistant
 
@@ -425,15 +426,19 @@ def fit_drafter(target, cfg, steps: int = 60) -> DFlashDrafter:
         loss_mask[0, len(p) - 1:] = True
         anchors = torch.arange(len(p) - 1, S - 1).view(1, -1)
         keep = torch.ones_like(anchors, dtype=torch.bool)
-        block_ids, labels, w = build_block_inputs(ids, loss_mask, anchors, keep, SBS, SMASK)
+        block_ids, labels, w = build_block_inputs(ids, loss_mask, anchors, keep, SBS, SMASK, shift=cfg.label_shift)
+        pos = block_position_ids(anchors, S, SBS)
+        previous = ids.gather(1, (pos[:, S:] + cfg.label_shift - 1).clamp(0, S - 1))  # the token before each label
         with torch.no_grad():
             block_embeds = emb(block_ids)
-        batches.append((feats, block_embeds, block_position_ids(anchors, S, SBS), dense_mask(anchors, keep, S, SBS), labels, w))
+        batches.append((feats, block_embeds, pos, dense_mask(anchors, keep, S, SBS), labels, w, previous))
     opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
     for _ in range(steps):
         opt.zero_grad()
-        for feats, block_embeds, pos, mask, labels, w in batches:
+        for feats, block_embeds, pos, mask, labels, w, previous in batches:
             logits = drafter.compute_logits(drafter(block_embeds, feats, pos, mask), head)
+            if drafter.markov_head is not None:  # DSpark: the Markov head's bias, teacher-forced
+                logits = logits + drafter.markov_head.bias(previous)
             ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten().clamp(min=0), reduction="none")
             ((ce * w.flatten()).sum() / w.sum()).backward()
         opt.step()
@@ -445,6 +450,7 @@ REMOTE_CASES = {
     "dflash2": dict(arch="dflash2", conv_group_size=8, selector_rank=8, selector_top_k=4,
                     final_logit_softcapping=30.0, output_multiplier=0.5),
     "sliding": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5),
+    "dspark": dict(arch="dspark", markov_rank=8),
 }
 
 
@@ -466,7 +472,7 @@ def test_export_loads_with_automodel_trust_remote_code_and_decodes_as_the_pipeli
     out = save_drafter(drafter, cfg, tmp_path / "drafter", target.config)
     got = run_script(REMOTE_SCRIPT, {"target": str(target_dir), "drafter": str(out), "prompts": SPEC_PROMPTS,
                                      "max_new": 20, "stop": [SEOS], "cwd": str(tmp_path)})
-    want_class = "DFlash2DraftModel" if cfg.arch == "dflash2" else "DFlashDraftModel"
+    want_class = {"dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}.get(cfg.arch, "DFlashDraftModel")
     assert got["class"] == want_class and "dflashpipe" not in got["module"]
 
     ours, cfg2 = load_drafter(out, dtype=torch.float64)
@@ -480,10 +486,10 @@ def test_export_loads_with_automodel_trust_remote_code_and_decodes_as_the_pipeli
     assert max(accepted) >= 1, accepted  # drafts were accepted: the comparison is not of empty steps
     if cfg.arch == "dflash2":  # the selector is live: it proposes other tokens than the argmax somewhere
         g = torch.Generator().manual_seed(0)
-        hidden = torch.randn(8, SBS - 1, cfg.hidden_size, generator=g, dtype=torch.float64)
+        hidden = torch.randn(8, SBS, cfg.hidden_size, generator=g, dtype=torch.float64)
         head = target.get_output_embeddings().weight
         anchors = torch.arange(8) + 5
-        assert not torch.equal(ours.propose(hidden, anchors, head), ours.compute_logits(hidden, head).argmax(-1))
+        assert not torch.equal(ours.propose(hidden, anchors, head), ours.compute_logits(hidden[:, 1:], head).argmax(-1))
 
 
 #: z-lab's own classes and loop (github.com/z-lab/dflash, dflash/model.py) on our exports, in a fresh process
@@ -543,3 +549,65 @@ def test_loads_into_zlab_reference(spec_target, tmp_path):
             pipe = DFlashDecoder(target, drafter, cfg, [SEOS]).generate(prompt, 20)
             assert run["tokens"] == pipe.tokens, (case, prompt)
             assert run["committed"][:-1] == pipe.committed[:-1], (case, prompt, run["committed"], pipe.committed)
+
+
+# -- DSpark: DeepSpec's layout, the keys SGLang reads ----------------------------------------------
+
+DSPARK_CONFIG = json.loads((FIXTURES / "dspark_reference_config.json").read_text())
+DSPARK_LAYOUT = json.loads((FIXTURES / "dspark_reference_layout.json").read_text())["safetensors"]
+
+
+def dspark_reference_drafter_config():
+    """The target and drafter of DeepSpec's DSpark recipe (Qwen3-4B, block 7, rank 256)."""
+    from transformers import Qwen3Config
+
+    t, d = DSPARK_CONFIG["target"], DSPARK_CONFIG["config"]
+    tc = Qwen3Config(**{k: v for k, v in t.items() if k not in ("model_type", "rope_theta")},
+                     rope_parameters={"rope_type": "default", "rope_theta": t["rope_theta"]})
+    cfg = DrafterConfig.from_target_config(tc, d["num_hidden_layers"], d["block_size"], d["mask_token_id"],
+                                           arch="dspark", markov_rank=d["markov_rank"])
+    assert cfg.target_layer_ids == d["target_layer_ids"]  # the default taps are DeepSpec's
+    return tc, cfg
+
+
+def test_dspark_layout_and_config_equal_the_reference(tmp_path):
+    """A DSpark drafter of the recipe's shapes has DeepSpec's keys and shapes (less the target's embedding and LM
+    head), its config.json carries every DeepSpec key with its value (less the training-only num_anchors) plus
+    SGLang's nested dspark_config and dflash_config, reads back as the same drafter, and a checkpoint that carries
+    the target's embedding and LM head loads with them skipped."""
+    from dflashpipe.drafter.export import SHARED_PREFIXES, _cfg_from_json, drafter_config_json
+
+    tc, cfg = dspark_reference_drafter_config()
+    with torch.device("meta"):  # shapes only
+        model = DFlashDrafter(cfg)
+    ours = {k: list(v.shape) for k, v in model.state_dict().items()}
+    assert ours == {k: v for k, v in DSPARK_LAYOUT.items() if not k.startswith(SHARED_PREFIXES)}
+    assert set(DSPARK_LAYOUT) - set(ours) == {"embed_tokens.weight", "lm_head.weight"}
+
+    written = drafter_config_json(cfg, tc, torch.bfloat16)
+    for key, want in DSPARK_CONFIG["config"].items():
+        if key not in DSPARK_CONFIG["training_only"]:
+            assert written[key] == want, key
+    assert written["auto_map"] == {"AutoModel": "dflash.Qwen3DSparkModel"}
+    assert written["dspark_config"] == {"block_size": 7, "mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33],
+                                        "markov_rank": 256, "markov_head_type": "vanilla"}
+    assert written["dflash_config"] == {"block_size": 7, "mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]}
+    assert _cfg_from_json(written, Path("config.json")) == cfg
+    # DeepSpec's own config (every key at the top level, no nested sections) reads back as this drafter too
+    deepspec = {**DSPARK_CONFIG["config"], "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}}
+    assert _cfg_from_json(deepspec, Path("config.json")) == cfg
+    with pytest.raises(UserError, match="markov_head_type 'gated'"):
+        _cfg_from_json({**deepspec, "markov_head_type": "gated"}, Path("config.json"))
+
+    # a small one on disk, with the target's embedding and LM head added as DeepSpec's module holds them
+    small = DrafterConfig.from_target_config(tiny_target_config(), 2, 4, V - 1, arch="dspark", markov_rank=8)
+    drafter = random_drafter(small)
+    out = save_drafter(drafter, small, tmp_path / "d", tiny_target_config())
+    state = load_file(str(out / "model.safetensors"))
+    assert set(state) == set(expected_state_shapes(small))
+    state["embed_tokens.weight"], state["lm_head.weight"] = torch.zeros(2, V, small.hidden_size)
+    save_file(state, str(out / "model.safetensors"))
+    loaded, cfg2 = load_drafter(out)
+    assert cfg2 == small
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k

@@ -25,6 +25,7 @@ def test_default_gamma():
     assert default_gamma(4) == 2
     assert default_gamma(12) == pytest.approx(5 + 2 / 3)
     assert default_gamma(2) >= 1
+    assert default_gamma(7, shift=1) == 4  # DSpark: 7 drafted positions, as DFlash's block 8 (DeepSpec: 4)
 
 
 def test_sample_anchors_valid_sorted_padded():

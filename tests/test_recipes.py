@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from dflashpipe.drafter.heldout import acceptance_sums
 from dflashpipe.drafter.loss import Objective, block_loss, selector_loss
 from dflashpipe.drafter.masks import block_mask, block_position_ids, build_block_inputs, dense_mask, dpace_weights
-from dflashpipe.drafter.model import DFlashDrafter, _grouped_causal_conv, expected_state_shapes
+from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig, _grouped_causal_conv, expected_state_shapes
 from dflashpipe.errors import UserError
 
 from test_drafter_model import H, V, make_batch, tiny_cfg
@@ -135,16 +135,17 @@ def test_selector_path_reranks_by_the_previous_token():
     cfg = dflash2_cfg()
     model = DFlashDrafter(cfg).eval()
     lm_head = torch.randn(V, H)
-    hidden = torch.randn(3, cfg.block_size - 1, H)
+    block = torch.randn(3, cfg.block_size, H)
+    hidden = block[:, 1:]  # slots 1..bs-1 draft
     anchors = torch.tensor([1, 2, 3])
     # a fresh selector (zero successor codebook) proposes exactly the argmax
-    assert torch.equal(model.propose(hidden, anchors, lm_head), model.compute_logits(hidden, lm_head).argmax(-1))
+    assert torch.equal(model.propose(block, anchors, lm_head), model.compute_logits(hidden, lm_head).argmax(-1))
     sel = model.candidate_selector
     with torch.no_grad():
         sel.successor_codebook.normal_(0, 3.0)
         sel.predecessor_codebook.normal_(0, 3.0)
         sel.hidden_projection.weight.normal_(0, 1.0)
-    path = model.propose(hidden, anchors, lm_head)
+    path = model.propose(block, anchors, lm_head)
     logits = model.compute_logits(hidden, lm_head)
     unary, cand = logits.topk(cfg.selector_top_k, dim=-1)
     prev = anchors
@@ -321,7 +322,8 @@ def test_simulated_tau_counts_each_blocks_leading_run():
     hidden = F.one_hot(want, H).float() * 10
     target = SimpleNamespace(get_output_embeddings=lambda: SimpleNamespace(weight=lm))
     batch = SimpleNamespace(input_ids=ids, loss_mask=loss_mask, anchors=anchors, keep=keep)
-    setup = SimpleNamespace(block_size=bs, mask_token_id=cfg.mask_token_id, gamma=2.0, loss_chunk_size=3)
+    setup = SimpleNamespace(block_size=bs, mask_token_id=cfg.mask_token_id, gamma=2.0, loss_chunk_size=3,
+                            label_shift=0)
     drafter = DFlashDrafter(cfg)
     sums = acceptance_sums(drafter, hidden, target, batch, setup)
     correct, valid, accepted, reached = sums[: 4 * (bs - 1)].view(4, bs - 1)
@@ -329,3 +331,150 @@ def test_simulated_tau_counts_each_blocks_leading_run():
     assert (sums[-2] / sums[-1]).item() == pytest.approx(((1 + 1) + (1 + 2)) / 2)
     assert valid.tolist() == [2, 2, 1] and correct.tolist() == [2, 1, 1]
     assert reached.tolist() == [2, 2, 0] and accepted.tolist() == [2, 1, 0]
+
+
+# -- DSpark ------------------------------------------------------------------------------
+
+
+def dspark_cfg(**kw):
+    return tiny_cfg(arch="dspark", markov_rank=8, **kw)
+
+
+def test_dspark_slots_predict_one_further_and_every_slot_drafts():
+    cfg = dspark_cfg()
+    bs = cfg.block_size
+    assert (cfg.label_shift, cfg.num_drafts) == (1, bs)
+    S = 12
+    ids = torch.arange(10, 10 + S).view(1, S)
+    loss_mask = torch.ones(1, S, dtype=torch.bool)
+    anchors, keep = torch.tensor([[2, 9]]), torch.tensor([[True, True]])
+    block_ids, labels, w = build_block_inputs(ids, loss_mask, anchors, keep, bs, cfg.mask_token_id, gamma=2.0, shift=1)
+    assert block_ids.tolist() == [[12] + [cfg.mask_token_id] * 3 + [19] + [cfg.mask_token_id] * 3]  # as DFlash
+    assert labels[0, :bs].tolist() == [13, 14, 15, 16]  # slot k: the token at a + k + 1
+    decay = torch.exp(-torch.arange(bs) / 2.0)  # DeepSpec: exp(-k / gamma) from slot 0
+    torch.testing.assert_close(w[0, :bs], decay)
+    torch.testing.assert_close(w[0, bs:], torch.cat([decay[:2], torch.zeros(2)]))  # 12, 13 past the end
+
+
+def test_dspark_layout_and_its_markov_head_drafts_slot_by_slot():
+    torch.manual_seed(0)
+    cfg = dspark_cfg()
+    model = DFlashDrafter(cfg).eval()
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert shapes == expected_state_shapes(cfg)
+    assert shapes["markov_head.markov_w1.weight"] == shapes["markov_head.markov_w2.weight"] == (V, 8)
+    assert shapes["confidence_head.proj.weight"] == (1, H + 8) and shapes["confidence_head.proj.bias"] == (1,)
+    lm_head = torch.randn(V, H)
+    block = torch.randn(3, cfg.block_size, H)
+    anchors = torch.tensor([1, 2, 3])
+    logits = model.compute_logits(block, lm_head)  # every slot drafts
+    with torch.no_grad():
+        model.markov_head.markov_w2.weight.zero_()
+    assert torch.equal(model.propose(block, anchors, lm_head), logits.argmax(-1))  # no bias: the argmax
+    with torch.no_grad():
+        model.markov_head.markov_w1.weight.normal_(0, 3.0)
+        model.markov_head.markov_w2.weight.normal_(0, 3.0)
+    path = model.propose(block, anchors, lm_head)
+    prev = anchors
+    head = model.markov_head
+    for i in range(cfg.block_size):  # by hand: the bias of the token drafted before (the anchor first)
+        prev = (logits[:, i] + head.markov_w1.weight[prev] @ head.markov_w2.weight.T).argmax(-1)
+        assert torch.equal(path[:, i], prev)
+    assert not torch.equal(path, logits.argmax(-1))  # the Markov head changed some drafts
+
+
+def test_dspark_loss_and_its_markov_term_match_autograd():
+    """0.1 CE + 0.9 L1 to the target, with the Markov head's low-rank logits term: loss and gradients (hidden,
+    Markov embeddings, W2) as autograd gives them; the chunks hand back each row's 1 - TV."""
+    from dflashpipe.drafter.loss import DSPARK_CE, DSPARK_L1
+
+    torch.manual_seed(0)
+    B, Q, R = 2, 9, 5
+    W = torch.randn(V, H, dtype=torch.float64) * 0.3
+    teacher = torch.randn(B, Q, H, dtype=torch.float64)
+    labels = torch.randint(0, V, (B, Q))
+    weights = torch.rand(B, Q, dtype=torch.float64)
+    weights[0, :2] = 0
+    leaves = [torch.randn(B, Q, H, dtype=torch.float64), torch.randn(B, Q, R, dtype=torch.float64),
+              torch.randn(V, R, dtype=torch.float64) * 0.3]
+    ref_in = [t.clone().requires_grad_() for t in leaves]
+    h, e, w2 = ref_in
+    z = (h @ W.t() + e @ w2.t()).reshape(-1, V)
+    q = F.softmax(z, -1)
+    p = F.softmax((teacher @ W.t()).reshape(-1, V), -1)
+    l1 = (q - p).abs().sum(-1)
+    per = DSPARK_CE * F.cross_entropy(z, labels.reshape(-1), reduction="none") + DSPARK_L1 * l1
+    ref = (per * weights.reshape(-1)).sum() / weights.sum()
+    ref.backward()
+    ours_in = [t.clone().requires_grad_() for t in leaves]
+    found = {}
+    loss, _ = block_loss(ours_in[0], W, labels, weights, chunk_size=4, objective=Objective("dspark", accept=True),
+                         teacher_hidden=teacher, collect=found, markov=(ours_in[1], ours_in[2]))
+    loss.backward()
+    torch.testing.assert_close(loss.double(), ref, atol=1e-6, rtol=1e-6)
+    for a, b in zip(ours_in, ref_in):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
+    accept = (1 - 0.5 * l1.detach()).view(B, Q).float()
+    torch.testing.assert_close(found["accept"], torch.where(weights > 0, accept, torch.zeros_like(accept)))
+
+
+def test_dspark_training_step_trains_backbone_markov_and_confidence_heads():
+    """The training step's gradient reaches every parameter: the backbone, the Markov head (through the logits)
+    and the confidence head (its BCE to each row's acceptance); a DSpark drafter refuses D-PACE."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflashpipe.drafter.masks import default_gamma
+    from dflashpipe.drafter.step import Setup, forward_loss, resolve_setup
+
+    torch.manual_seed(0)
+    tc = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16)
+    target = Qwen3ForCausalLM(tc).eval().requires_grad_(False)
+    cfg = DrafterConfig.from_target_config(tc, 2, 4, V - 1, target_layer_ids=[0, 1, 2], arch="dspark", markov_rank=8)
+    drafter = DFlashDrafter(cfg)
+    ids, lm, anchors, keep, _ = make_batch(cfg)
+    batch = SimpleNamespace(input_ids=ids, loss_mask=lm, anchors=anchors, keep=keep, index=None)
+    setup = Setup(device=torch.device("cpu"), attention="sdpa", compile="none", autocast_dtype=None,
+                  target_dtype=torch.float32, block_size=4, label_shift=1, num_anchors=anchors.shape[1],
+                  mask_token_id=V - 1, layer_ids=cfg.target_layer_ids, gamma=default_gamma(4, 1), loss_chunk_size=7,
+                  grad_clip=1.0, rank_batch=2, objective=Objective("dspark", accept=True))
+    loss_sum, _, loss_w, _ = forward_loss(drafter, target, batch, setup)
+    assert loss_w > 0
+    loss_sum.backward()
+    for name, p in drafter.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    dpace = SimpleNamespace(attention="sdpa", dtype="fp32", batch_size=2, compile="none", arch="dspark",
+                            position_weights="dpace")
+    with pytest.raises(UserError, match="dpace"):
+        resolve_setup(dpace, "cpu", V - 1, [0])
+
+
+def test_dspark_simulated_tau_counts_every_slot():
+    """DSpark's held-out proposals are all bs slots (slot k against the token at a + k + 1)."""
+    from types import SimpleNamespace
+
+    bs = 4
+    cfg = dspark_cfg(block_size=bs)
+    lm = torch.zeros(V, H)
+    lm[:H] = torch.eye(H)
+    S = 12
+    ids = torch.arange(10, 10 + S).view(1, S)
+    loss_mask = torch.ones(1, S, dtype=torch.bool)
+    anchors, keep = torch.tensor([[2, 9]]), torch.tensor([[True, True]])  # block 2: labels 10, 11, then past the end
+    _, labels, _ = build_block_inputs(ids, loss_mask, anchors, keep, bs, cfg.mask_token_id, shift=1)
+    want = labels.clone()
+    want[0, 1] = 0  # block 1: slot 0 right, 1 wrong, 2 and 3 right -> accepted 1
+    hidden = F.one_hot(want, H).float() * 10
+    target = SimpleNamespace(get_output_embeddings=lambda: SimpleNamespace(weight=lm))
+    batch = SimpleNamespace(input_ids=ids, loss_mask=loss_mask, anchors=anchors, keep=keep)
+    setup = SimpleNamespace(block_size=bs, mask_token_id=cfg.mask_token_id, gamma=2.0, loss_chunk_size=3, label_shift=1)
+    drafter = DFlashDrafter(cfg)
+    with torch.no_grad():
+        drafter.markov_head.markov_w2.weight.zero_()  # proposals: the argmax of each slot
+    sums = acceptance_sums(drafter, hidden, target, batch, setup)
+    correct, valid, accepted, reached = sums[: 4 * bs].view(4, bs)
+    assert (sums[-2] / sums[-1]).item() == pytest.approx(((1 + 1) + (1 + 2)) / 2)
+    assert valid.tolist() == [2, 2, 1, 1] and correct.tolist() == [2, 1, 1, 1]
+    assert reached.tolist() == [2, 2, 0, 0] and accepted.tolist() == [2, 1, 0, 0]

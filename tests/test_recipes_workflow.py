@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from conftest import planned_rules, snakemake, write_config
+from dflashpipe.drafter.export import ARCHITECTURES
 
 RECIPES = {
     # the paper's DFlash and loss with D-PACE weights and a TV term, one sliding-window layer beside a full one
@@ -29,13 +30,19 @@ RECIPES = {
                     "output_multiplier": 0.5},
         "train": {"loss": "kl"},
     },
+    # DSpark (every block position drafts, Markov and confidence heads) with DeepSpec's loss
+    "dspark": {
+        "drafter": {"arch": "dspark", "num_layers": 1, "markov_rank": 8},
+        "train": {"loss": "dspark"},
+    },
 }
+#: run on every push: an arch no other workflow test trains (the default recipe, DFlash 2, goes through
+#: Snakemake in every workflow test; tests/test_recipes.py checks the others' losses and models without it)
+EVERY_PUSH = {"dspark"}
 
 
-# ~75 s each: with -m slow (tests/test_recipes.py checks the recipes' losses and models without Snakemake;
-# the default recipe goes through Snakemake in every workflow test)
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(RECIPES))
+# ~75 s each; those not in EVERY_PUSH with -m slow
+@pytest.mark.parametrize("name", [n if n in EVERY_PUSH else pytest.param(n, marks=pytest.mark.slow) for n in sorted(RECIPES)])
 def test_recipe_trains_exports_and_evaluates_through_snakemake(mini_copy, name):
     work, cfg_path = mini_copy
     cfg = yaml.safe_load(cfg_path.read_text())
@@ -52,17 +59,21 @@ def test_recipe_trains_exports_and_evaluates_through_snakemake(mini_copy, name):
     r = work / "results"
 
     summary = json.loads((r / "train/summary.json").read_text())
-    assert summary["arch"] == recipe["drafter"]["arch"]
+    arch = recipe["drafter"]["arch"]
+    drafts = 4 if arch == "dspark" else 3  # block size 4: DSpark drafts at every position, DFlash after the anchor
+    assert summary["arch"] == arch
     assert summary["loss"] == recipe["train"]["loss"]
-    assert 1.0 <= summary["heldout_sim_tau"] <= 4.0  # block size 4: 1 + at most 3 accepted
-    assert len(summary["heldout_accept_by_position"]) == 3
+    assert 1.0 <= summary["heldout_sim_tau"] <= 1 + drafts
+    assert len(summary["heldout_accept_by_position"]) == drafts
     exported = json.loads((r / "drafter/config.json").read_text())
     assert exported["layer_types"] == summary_layer_types(recipe)
+    assert exported["architectures"] == [ARCHITECTURES[arch]]
     metrics = pd.read_csv(r / "train/metrics.csv")
     assert metrics["heldout_sim_tau"].notna().any()
 
     ev = json.loads((r / "eval/math_heldout.summary.json").read_text())
     assert ev["lossless"]["checked"] and ev["lossless"]["passed"]
+    assert len(ev["methods"]["dflash"]["acceptance_histogram"]) == drafts + 1
     table = pd.read_csv(r / "tables/eval.csv").set_index("method")
     assert table.loc["dflash", "simulated_tau"] == pytest.approx(summary["heldout_sim_tau"])
     assert table.loc["dflash", "tau_pooled"] >= 1

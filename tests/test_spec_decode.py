@@ -36,11 +36,18 @@ def encode(tok, text):
     return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
 
 
-def random_drafter(target, tok, out_dir, seed=0, dtype=None):
-    """A randomly initialised drafter, round-tripped through the checkpoint format."""
-    cfg = DrafterConfig.from_target_config(target.config, num_hidden_layers=1, block_size=BS, mask_token_id=tok.mask_token_id)
+def random_drafter(target, tok, out_dir, seed=0, dtype=None, **arch):
+    """A randomly initialised drafter, round-tripped through the checkpoint format (DSpark: a Markov head
+    strong enough to change drafts)."""
+    cfg = DrafterConfig.from_target_config(target.config, num_hidden_layers=1, block_size=BS, mask_token_id=tok.mask_token_id,
+                                           **arch)
     torch.manual_seed(seed)
-    save_drafter(DFlashDrafter(cfg), cfg, out_dir, target.config)
+    drafter = DFlashDrafter(cfg)
+    if drafter.markov_head is not None:
+        with torch.no_grad():
+            for p in drafter.markov_head.parameters():
+                p.normal_(0.0, 1.0)
+    save_drafter(drafter, cfg, out_dir, target.config)
     return load_drafter(out_dir, dtype=dtype)
 
 
@@ -52,7 +59,7 @@ def micro(micro_target, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sharp(micro_target, tmp_path_factory):
+def sharp_target(micro_target):
     from transformers import AutoTokenizer
 
     from dflashpipe.tiny_target import TinyTargetConfig, build_model
@@ -65,8 +72,22 @@ def sharp(micro_target, tmp_path_factory):
         for p in target.parameters():
             if p.dim() >= 2:
                 p.mul_(10.0)
-    target = target.to(torch.float64).eval().requires_grad_(False)
+    return target.to(torch.float64).eval().requires_grad_(False), tok
+
+
+@pytest.fixture(scope="module")
+def sharp(sharp_target, tmp_path_factory):
+    target, tok = sharp_target
     drafter, cfg = random_drafter(target, tok, tmp_path_factory.mktemp("drafter") / "d", seed=1, dtype=torch.float64)
+    return target, tok, drafter, cfg
+
+
+@pytest.fixture(scope="module")
+def sharp_dspark(sharp_target, tmp_path_factory):
+    """The sharp target with a DSpark drafter: every block slot drafts (BS drafts), the Markov head over them."""
+    target, tok = sharp_target
+    drafter, cfg = random_drafter(target, tok, tmp_path_factory.mktemp("drafter") / "d", seed=1, dtype=torch.float64,
+                                  arch="dspark", markov_rank=8)
     return target, tok, drafter, cfg
 
 
@@ -79,11 +100,11 @@ class OracleDecoder(DFlashDecoder):
 
     def _propose(self, dcache, seq, last):
         n_out = len(seq) - self.prompt_len
-        d = self.reference[n_out : n_out + self.bs - 1]
-        d = d + [self.cfg.mask_token_id] * (self.bs - 1 - len(d))
+        d = self.reference[n_out : n_out + self.n_drafts]
+        d = d + [self.cfg.mask_token_id] * (self.n_drafts - len(d))
         if self.corrupt is not None:
             k = self.corrupt(self.calls)
-            if k < self.bs - 1:
+            if k < self.n_drafts:
                 d[k] = (d[k] + 1) % self.target.model.config.vocab_size
         self.calls += 1
         return torch.tensor(d, device=last.device)
@@ -93,20 +114,20 @@ class UnverifiedDecoder(DFlashDecoder):
     """BROKEN on purpose: commits every draft token without checking it against the target."""
 
     def _accept(self, draft, logits, temperature, gen):
-        return self.bs - 1, draft.tolist() + [int(logits[-1].argmax())]
+        return self.n_drafts, draft.tolist() + [int(logits[-1].argmax())]
 
 
-def _consistent(r: DecodeResult, max_new: int):
+def _consistent(r: DecodeResult, max_new: int, drafts: int = BS - 1):
     assert r.target_forwards == r.verify_steps == len(r.accepted) == len(r.committed_raw)
     assert 1 + sum(r.committed) == len(r.tokens) <= max_new
-    assert all(0 <= a < BS for a in r.accepted)
+    assert all(0 <= a <= drafts for a in r.accepted)
     assert all(c == a + 1 for c, a in zip(r.committed_raw, r.accepted))
     assert all(c <= raw for c, raw in zip(r.committed, r.committed_raw))
     assert r.tau >= 1 and r.tau_authors >= r.tau
     assert r.prefill_s > 0 and r.decode_s > 0
 
 
-@pytest.mark.parametrize("which", ["micro", "sharp"])
+@pytest.mark.parametrize("which", ["micro", "sharp", "sharp_dspark"])
 def test_greedy_dflash_is_lossless(which, request):
     target, tok, drafter, cfg = request.getfixturevalue(which)
     eos = eos_ids_of(tok, target)
@@ -116,10 +137,10 @@ def test_greedy_dflash_is_lossless(which, request):
     a_out = [ar.generate(encode(tok, PROMPTS[i]), 24) for i in ids]
     check_lossless(ids, d_out, a_out)
     for r in d_out:
-        _consistent(r, 24)
+        _consistent(r, 24, cfg.num_drafts)
     for r in a_out:
         assert r.target_forwards == len(r.tokens) - 1 and r.tau == 1
-    if which == "sharp":
+    if which != "micro":
         assert len({t for r in a_out for t in r.tokens}) > 10  # a non-trivial output to be lossless about
 
 
@@ -178,15 +199,20 @@ def test_oracle_drafter_accepts_whole_blocks(sharp, cut):
     assert r.tau == pytest.approx(sum(want_committed) / len(want_committed)) and r.tau < BS
 
 
-def test_partially_wrong_drafts_crop_caches_correctly(sharp):
-    """Step i corrupts draft position i % bs (bs-1: none), so exactly that many are accepted; the output stays AR's."""
-    target, tok, drafter, cfg = sharp
+@pytest.mark.parametrize("which", ["sharp", "sharp_dspark"])
+def test_partially_wrong_drafts_crop_caches_correctly(which, request):
+    """Step i corrupts draft i % (D+1) of D (D: none), so exactly that many are accepted; the output stays AR's
+    (DSpark: D = bs drafts per block, one more than DFlash)."""
+    target, tok, drafter, cfg = request.getfixturevalue(which)
+    D = cfg.num_drafts
     prompt = encode(tok, PROMPTS["p-add"])
-    reference = ARDecoder(target, []).generate(prompt, 40 + BS).tokens
-    r = OracleDecoder(target, drafter, cfg, [], reference=reference, prompt_len=len(prompt), corrupt=lambda i: i % BS).generate(prompt, 40)
+    reference = ARDecoder(target, []).generate(prompt, 40 + D + 1).tokens
+    r = OracleDecoder(target, drafter, cfg, [], reference=reference, prompt_len=len(prompt),
+                      corrupt=lambda i: i % (D + 1)).generate(prompt, 40)
     assert r.tokens == reference[:40]
-    assert r.accepted == [min(i % BS, BS - 1) for i in range(len(r.accepted))]
-    _consistent(r, 40)
+    assert r.accepted == [min(i % (D + 1), D) for i in range(len(r.accepted))]
+    assert max(r.accepted) == D
+    _consistent(r, 40, D)
 
 
 def test_sampled_mode_reproducible_and_valid(sharp):
@@ -343,7 +369,7 @@ def test_evaluate_skips_unusable_prompts_and_keeps_a_failed_check(micro, micro_t
         run.evaluate_dataset(*args, run.EvalSettings(max_new_tokens=6, methods=["dflash", "ar"]), log=lambda m: None)
 
 
-@pytest.mark.parametrize("which", ["micro", "sharp"])
+@pytest.mark.parametrize("which", ["micro", "sharp", "sharp_dspark"])
 def test_static_target_step_decodes_what_the_dynamic_one_does(which, request):
     """The static-KV target step (CUDA graphs on a GPU; uncaptured here; its layers written out with
     fused projections) gives the same greedy tokens, the same accepted drafts per verify step, and
@@ -353,7 +379,7 @@ def test_static_target_step_decodes_what_the_dynamic_one_does(which, request):
 
     target, tok, drafter, cfg = request.getfixturevalue(which)
     eos = eos_ids_of(tok, target)
-    static = StaticTargetRunner(target, cfg.target_layer_ids, capacity=256, graph_sizes=(1, BS))
+    static = StaticTargetRunner(target, cfg.target_layer_ids, capacity=256, graph_sizes=(1, cfg.num_drafts + 1))
     draft = drafter_runner(drafter, static, "auto", capacity=256)  # one cache each, reused for every prompt
     assert draft.mode == "static" and drafter_runner(drafter, TargetRunner(target)).mode == "eager"
     # a Qwen3: its layers written out with q/k/v and gate/up fused (dflashpipe.decode.layer)
@@ -363,7 +389,7 @@ def test_static_target_step_decodes_what_the_dynamic_one_does(which, request):
     ref_logits, ref_feats = TargetRunner(target, cfg.target_layer_ids).forward(
         TargetRunner(target).new_cache(), torch.tensor([ids]), 0, features=True)
     logits, feats = static.forward(static.new_cache(), torch.tensor([ids]), 0, features=True)
-    tol = dict(atol=1e-9, rtol=1e-9) if which == "sharp" else dict(atol=1e-4, rtol=1e-4)
+    tol = dict(atol=1e-4, rtol=1e-4) if which == "micro" else dict(atol=1e-9, rtol=1e-9)
     torch.testing.assert_close(logits, ref_logits, **tol)
     torch.testing.assert_close(feats, ref_feats, **tol)
     ar_static = ARDecoder(target, eos, runner=StaticTargetRunner(target, capacity=256))  # reused for every prompt
@@ -377,15 +403,17 @@ def test_static_target_step_decodes_what_the_dynamic_one_does(which, request):
         assert d_sta.tokens == d_dyn.tokens == a_dyn.tokens and d_sta.accepted == d_dyn.accepted
 
 
-def test_static_drafter_hides_rejected_positions_like_the_growing_cache(sharp):
-    """Blocks verified with 1..bs accepted positions: the static drafter (whole block written, the rejected
-    tail hidden, then overwritten) drafts exactly what the eager drafter with its growing cache drafts."""
+@pytest.mark.parametrize("which", ["sharp", "sharp_dspark"])
+def test_static_drafter_hides_rejected_positions_like_the_growing_cache(which, request):
+    """Blocks verified with 1..D+1 kept positions: the static drafter (whole verified block written, the
+    rejected tail hidden, then overwritten) drafts exactly what the eager drafter with its growing cache drafts."""
     from dflashpipe.decode.speculative import DrafterRunner
     from dflashpipe.decode.static_drafter import StaticDrafterRunner
 
     import copy
 
-    target, tok, drafter, cfg = sharp
+    target, tok, drafter, cfg = request.getfixturevalue(which)
+    verified = cfg.num_drafts + 1
     drafter = copy.deepcopy(drafter)
     with torch.no_grad():  # a drafter whose drafts depend on its context (the fixture's barely does)
         for p in drafter.parameters():
@@ -401,12 +429,12 @@ def test_static_drafter_hides_rejected_positions_like_the_growing_cache(sharp):
     for runner, cache in zip((eager, static), caches):
         runner.extend(cache, prompt, 0, 7)
     n, drafts = 8, set()
-    for keep in (1, BS, 2, 3, 1, BS):
+    for keep in (1, verified, 2, 3, 1, verified):
         last = torch.randint(5, target.config.vocab_size, (1, 1), generator=g)
         a, b = (runner.propose(cache, n, last) for runner, cache in zip((eager, static), caches))
         assert a.tolist() == b.tolist()
         drafts.add(tuple(a.tolist()))
-        feats = torch.randn(1, BS, width, generator=g, dtype=torch.float64)  # the verify's features of the block
+        feats = torch.randn(1, verified, width, generator=g, dtype=torch.float64)  # the verify's features
         for runner, cache in zip((eager, static), caches):
             runner.extend(cache, feats, n - 1, keep)
         n += keep

@@ -36,7 +36,7 @@ def training_curves(training_csv: str, loss_png: str, tokens_png: str) -> None:
     # log scale: the first steps' loss (tens of nats) would otherwise flatten the rest of the curve
     log_y = bool((df["loss"].dropna() > 0).all())
     ax_loss.set(xlabel="optimiser step", ylabel="position-weighted loss, nats" + (" (log scale)" if log_y else ""),
-                title="Drafter loss (train.loss: CE or KL)", yscale="log" if log_y else "linear")
+                title="Drafter loss (train.loss: CE, KL or DSpark's)", yscale="log" if log_y else "linear")
     ax_acc.set(xlabel="optimiser step", ylabel="weighted top-1 accuracy", title="Drafter accuracy", ylim=(0, 1))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)

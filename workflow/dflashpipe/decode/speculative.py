@@ -15,7 +15,8 @@ DFlash loop (the authors' benchmark, DESIGN "Evaluation loop"):
    seen by the target. Draft the block ``[last, MASK x (bs-1)]`` at positions
    ``n-1 .. n+bs-2`` in ONE drafter forward (embeddings: the target's input
    embedding; logits: the target's LM head on the drafter's hidden); the drafts
-   are the argmax of block positions 1..bs-1. Verify ``[last, d_1..d_{bs-1}]``
+   are the argmax of block positions 1..bs-1 (DSpark: of every position, its Markov head applied
+   over the token before: ``D = num_drafts`` drafts). Verify ``[last, d_1..d_D]``
    with ONE target forward; ``a`` = length of the matching prefix; commit
    ``d_1..d_a`` + the target's bonus token; crop the target cache to the
    verified positions and extend the draft cache with the features of those
@@ -258,11 +259,11 @@ class DrafterRunner:
 
     @torch.no_grad()
     def propose(self, cache, n: int, last: torch.Tensor) -> torch.Tensor:
-        """Drafts d_1..d_{bs-1} [bs-1] for the block [last, MASK x (bs-1)] at positions n-1 .. n+bs-2."""
+        """Drafts d_1..d_D [D = num_drafts] for the block [last, MASK x (bs-1)] at positions n-1 .. n+bs-2."""
         block = torch.cat([last, self.mask], dim=1)  # [1, bs]
         pos = torch.arange(n - 1, n - 1 + self.bs, device=block.device).unsqueeze(0)
         hidden = self.drafter.draft(cache, self.embed(block).to(self.dtype), pos)  # [1, bs, H]
-        return self.drafter.propose(hidden[:, 1:], last[:, 0], self.lm_head.weight)[0]  # DFlash 2: the selector
+        return self.drafter.propose(hidden, last[:, 0], self.lm_head.weight)[0]  # DFlash 2, DSpark: their heads
 
 
 class DFlashDecoder:
@@ -284,37 +285,37 @@ class DFlashDecoder:
         self.target = runner or TargetRunner(target_model, drafter_cfg.target_layer_ids)
         self.drafter = drafter
         self.cfg = drafter_cfg
-        self.bs = int(drafter_cfg.block_size)
+        self.n_drafts = drafter_cfg.num_drafts
         self.eos_ids = list(eos_ids)
         self.draft = draft_runner or DrafterRunner(drafter, self.target.embed, self.target.lm_head, drafter_cfg.mask_token_id)
 
     # -- one step, split for testing ----------------------------------------
 
     def _propose(self, dcache, seq: list[int], last: torch.Tensor) -> torch.Tensor:
-        """Draft tokens d_1..d_{bs-1} [bs-1] for the block anchored at ``seq[-1]`` (position len(seq)-1).
+        """Draft tokens d_1..d_D [D] for the block anchored at ``seq[-1]`` (position len(seq)-1).
 
         ``last``: [1, 1] tensor of ``seq[-1]`` on the device.
         """
         return self.draft.propose(dcache, len(seq), last)
 
     def _accept(self, draft: torch.Tensor, logits: torch.Tensor, temperature: float, gen) -> tuple[int, list[int]]:
-        """Verification rule. draft [bs-1]; logits [bs, V] (row k predicts the token after block position k).
+        """Verification rule. draft [D]; logits [D+1, V] (row k predicts the token after d_k, d_0 the anchor).
 
         Returns (accepted a, committed tokens d_1..d_a + bonus).
         """
         if temperature <= 0:
             # One device->host copy per step: the drafts and the target's argmax.
             both = torch.cat([draft, logits.argmax(dim=-1)]).tolist()
-            d, y = both[: self.bs - 1], both[self.bs - 1 :]
+            d, y = both[: self.n_drafts], both[self.n_drafts :]
             a = _matching_prefix([x == t for x, t in zip(d, y)])
             return a, d[:a] + [y[a]]
-        probs = torch.softmax(logits / temperature, dim=-1)  # [bs, V]
-        k = torch.arange(self.bs - 1, device=probs.device)
-        u = torch.rand(self.bs - 1, generator=gen, device=probs.device)
+        probs = torch.softmax(logits / temperature, dim=-1)  # [D+1, V]
+        k = torch.arange(self.n_drafts, device=probs.device)
+        u = torch.rand(self.n_drafts, generator=gen, device=probs.device)
         ok = (u < probs[k, draft]).tolist()
         a = _matching_prefix(ok)
         d = draft[:a].tolist()
-        if a < self.bs - 1:  # rejected d_{a+1}: sample from p with it removed, renormalised
+        if a < self.n_drafts:  # rejected d_{a+1}: sample from p with it removed, renormalised
             residual = probs[a].clone()
             residual[draft[a]] = 0.0
             if float(residual.sum()) <= 0:  # p(d)=1 numerically; cannot really be rejected

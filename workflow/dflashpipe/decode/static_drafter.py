@@ -10,8 +10,8 @@ the captured verify. Here both are captured once:
 * the projected context lives in one buffer per layer ``[1, Hkv, capacity, D]``;
   a counter ``valid`` says how many positions are context; the draft's mask shows
   it positions ``< valid`` and its own block (bidirectional);
-* an update after a verify always writes the whole block's ``bs`` positions
-  (fixed shape) starting at the block's first position, and sets ``valid`` to the
+* an update after a verify always writes the whole verified block's positions
+  (fixed shape: the anchor and the ``num_drafts`` drafts) starting at its first position, and sets ``valid`` to the
   verified prefix: the rejected positions past it are hidden, then overwritten by
   the next update, which starts exactly there.
 
@@ -35,6 +35,7 @@ class StaticDrafterRunner:
         self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
         cfg = drafter.cfg
         self.bs, self.capacity = int(cfg.block_size), int(capacity)
+        self.verified = cfg.num_drafts + 1  # positions of a verify: the anchor and the drafts
         self.device = next(drafter.parameters()).device
         self.dtype = next(drafter.parameters()).dtype
         shape = (1, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
@@ -44,7 +45,7 @@ class StaticDrafterRunner:
         self.valid = torch.zeros((), dtype=torch.long, device=self.device)  # context positions [0, valid)
         self.start = torch.zeros((), dtype=torch.long, device=self.device)  # the block's first position
         self.last = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        self.feats = torch.zeros((1, self.bs, len(cfg.target_layer_ids) * cfg.hidden_size), device=self.device,
+        self.feats = torch.zeros((1, self.verified, len(cfg.target_layer_ids) * cfg.hidden_size), device=self.device,
                                  dtype=self.dtype)
         self.mask_ids = torch.full((1, self.bs - 1), int(mask_token_id), dtype=torch.long, device=self.device)
         self.block_visible = torch.ones((1, 1, self.bs, self.bs), dtype=torch.bool, device=self.device)
@@ -70,7 +71,7 @@ class StaticDrafterRunner:
             self.v[i].index_copy_(2, positions, v)
 
     def _extend_block(self) -> None:
-        self._write(self.feats, self.start + torch.arange(self.bs, device=self.device))
+        self._write(self.feats, self.start + torch.arange(self.verified, device=self.device))
 
     def _propose_block(self) -> torch.Tensor:
         block = torch.cat([self.last, self.mask_ids], dim=1)  # [1, bs]
@@ -87,7 +88,7 @@ class StaticDrafterRunner:
         for i, layer in enumerate(self.drafter.layers):
             h = layer(h, self.k[i], self.v[i], cos, sin, masks[self.drafter.cfg.window_of(i)])
         hidden = self.drafter.norm(h)
-        return self.drafter.propose(hidden[:, 1:], self.last[:, 0], self.lm_head.weight)[0]  # DFlash 2: the selector
+        return self.drafter.propose(hidden, self.last[:, 0], self.lm_head.weight)[0]  # DFlash 2, DSpark: their heads
 
     def _run(self, name: str):
         fn = self._pieces[name]
@@ -108,9 +109,9 @@ class StaticDrafterRunner:
     def extend(self, cache, feats: torch.Tensor, start: int, keep: int) -> None:
         """Context positions start..start+keep-1 from feats [1, T, F] (T >= keep; the rest is written but hidden)."""
         T = feats.shape[1]
-        if start + max(T, self.bs) > self.capacity:
+        if start + max(T, self.verified) > self.capacity:
             raise ValueError(f"static drafter step: position {start + T} exceeds the cache capacity {self.capacity}")
-        if T == self.bs:
+        if T == self.verified:
             self.feats.copy_(feats)
             self.start.fill_(start)
             self._run("extend")
@@ -120,7 +121,7 @@ class StaticDrafterRunner:
 
     @torch.no_grad()
     def propose(self, cache, n: int, last: torch.Tensor) -> torch.Tensor:
-        """Drafts d_1..d_{bs-1} [bs-1] for the block anchored at position n-1 (token ``last`` [1, 1])."""
+        """Drafts d_1..d_D [D = num_drafts] for the block anchored at position n-1 (token ``last`` [1, 1])."""
         if n - 1 + self.bs > self.capacity:
             raise ValueError(f"static drafter step: position {n - 1 + self.bs} exceeds the cache capacity {self.capacity}")
         self.last.copy_(last)

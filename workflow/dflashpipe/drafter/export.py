@@ -16,13 +16,21 @@ Directory:
   nest ``block_size`` there). DFlash 2 adds its keys to ``dflash_config``
   (``conv_kernel_size, conv_group_size, selector_rank, selector_top_k,
   final_logit_softcapping, output_multiplier``) and ``use_cache: false``, as z-lab's
-  DFlash 2 checkpoints do.
+  DFlash 2 checkpoints do. DSpark (``["Qwen3DSparkModel"]``, as DeepSpec writes and SGLang's
+  ``dspark.py`` registers it) adds ``markov_rank``, ``markov_head_type: vanilla``,
+  ``enable_confidence_head`` and ``confidence_head_with_markov`` (both true) at the top level, where
+  DeepSpec's config keeps every key (``mask_token_id`` and ``target_layer_ids`` too), and
+  ``dspark_config: {block_size, mask_token_id, target_layer_ids, markov_rank, markov_head_type}``,
+  which SGLang reads before the top level; its weights add ``markov_head.markov_w{1,2}.weight`` and
+  ``confidence_head.proj.{weight,bias}``.
 * ``dflash.py``: the remote code ``auto_map`` names, a copy of
   :mod:`dflashpipe.drafter.hf_modeling` (torch + transformers only), so
   ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` loads the export.
 * ``model.safetensors``: exactly the keys of
   :func:`dflashpipe.drafter.model.expected_state_shapes` (no ``model.`` prefix,
-  no embedding / LM head, no biases), floating point.
+  no embedding / LM head, no biases but DSpark's confidence head's), floating point. A published
+  DSpark checkpoint's copies of the target's embedding and LM head (``embed_tokens.``, ``lm_head.``)
+  are skipped on loading, as SGLang skips them.
 """
 
 from __future__ import annotations
@@ -47,12 +55,16 @@ WEIGHTS_NAME = "model.safetensors"
 #: the remote code beside the weights: a copy of hf_modeling.py (what ``auto_map`` names)
 CODE_NAME = "dflash.py"
 #: the class of each architecture, as z-lab names them (``architectures`` and ``auto_map``)
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}
 #: as in z-lab's published DFlash drafters (e.g. z-lab/Qwen3-8B-DFlash-b16)
 AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 #: DFlash 2's keys in ``dflash_config`` (z-lab's names: the DrafterConfig fields of the same names)
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "final_logit_softcapping",
                 "output_multiplier")
+#: DSpark's Markov head, as DeepSpec names it: the only kind this drafter has (DeepSpec also has gated and rnn)
+MARKOV_HEAD_TYPE = "vanilla"
+#: the target's own weights a published DSpark checkpoint may carry; the drafter uses the target's
+SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
 
 
 def layer_shape_config(cfg: DrafterConfig) -> dict:
@@ -128,6 +140,10 @@ def drafter_config_json(cfg: DrafterConfig, target_config=None, dtype: torch.dty
     if cfg.arch == "dflash2":
         d["dflash_config"].update({k: getattr(cfg, k) for k in DFLASH2_KEYS})
         d["use_cache"] = False
+    elif cfg.arch == "dspark":
+        markov = {"markov_rank": cfg.markov_rank, "markov_head_type": MARKOV_HEAD_TYPE}
+        d.update(markov, enable_confidence_head=True, confidence_head_with_markov=True, **d["dflash_config"])
+        d["dspark_config"] = {**d["dflash_config"], **markov}
     else:  # a plain DFlash drafter with a logit transform (not the paper's): written where the reference reads it
         if cfg.output_multiplier != 1.0:
             d["dflash_config"]["output_multiplier"] = cfg.output_multiplier
@@ -205,6 +221,8 @@ def _arch_from_json(d: dict, where: Path) -> dict:
             raise UserError(f"{where}: sliding_attention layers need 'is_causal': false (this drafter attends "
                             f"bidirectionally inside a block; got {d.get('is_causal')!r})")
         out["sliding_window"] = int(d["sliding_window"])
+    if out["arch"] == "dspark":
+        out.update(_dspark_from_json(d, where))
     for key in DFLASH2_KEYS:
         value = dflash.get(key, d.get(key))
         if value is not None:
@@ -212,6 +230,25 @@ def _arch_from_json(d: dict, where: Path) -> dict:
         elif out["arch"] == "dflash2" and key != "final_logit_softcapping":
             raise UserError(f"{where}: missing key 'dflash_config.{key}' (a DFlash 2 drafter)")
     return out
+
+
+def _dspark_from_json(d: dict, where: Path) -> dict:
+    """DSpark's keys (``dspark_config`` first, then the top level, as SGLang reads them); what this drafter
+    cannot run (another Markov head, no confidence head) is a one-line error."""
+    nested = d.get("dspark_config") or {}
+
+    def key(name, default=None):
+        return nested[name] if nested.get(name) is not None else d.get(name, default)
+
+    if key("markov_rank") is None:
+        raise UserError(f"{where}: missing key 'dspark_config.markov_rank' (a DSpark drafter)")
+    kind = key("markov_head_type", MARKOV_HEAD_TYPE)
+    if kind != MARKOV_HEAD_TYPE:
+        raise UserError(f"{where}: markov_head_type {kind!r}: only DeepSpec's {MARKOV_HEAD_TYPE!r} head is supported")
+    if not (key("enable_confidence_head", True) and key("confidence_head_with_markov", True)):
+        raise UserError(f"{where}: a DSpark drafter here has a confidence head over [hidden ; markov embedding] "
+                        "(enable_confidence_head and confidence_head_with_markov true)")
+    return {"markov_rank": int(key("markov_rank"))}
 
 
 def _cfg_from_json(d: dict, where: Path) -> DrafterConfig:
@@ -285,6 +322,7 @@ def load_drafter(
     except (SafetensorError, OSError) as err:
         raise UserError(f"{w_file}: cannot read safetensors ({err})") from None
     expected = expected_state_shapes(cfg)
+    state = {k: v for k, v in state.items() if not (cfg.arch == "dspark" and k.startswith(SHARED_PREFIXES))}
     missing = [k for k in expected if k not in state]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

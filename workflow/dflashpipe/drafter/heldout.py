@@ -3,9 +3,10 @@
 The simulated acceptance length (``sim_tau``) answers "what tau would greedy decoding
 see on these blocks?" from the training forward alone: per held-out block (the
 target's own reply as the labels, fixed anchors), the drafter's proposals for
-positions 1..bs-1 (DFlash: the argmax; DFlash 2: the candidate selector's path, as at
-inference) are compared with the labels; the block's accepted length is 1 (the
-target's bonus token) plus its leading run of correct proposals, positions without
+positions 1..bs-1 (DFlash: the argmax; DFlash 2: the candidate selector's path; DSpark:
+every position, its Markov head over the tokens it proposed before; as at inference) are
+compared with the labels; the block's accepted length is 1 (the target's bonus token)
+plus its leading run of correct proposals, positions without
 a label (past the reply's end) passing through uncounted, as SpecForge counts it.
 ``sim_tau`` is its mean over blocks; per position, ``accept_by_position`` is the
 conditional acceptance P(correct at k | accepted up to k), whose running product
@@ -38,8 +39,8 @@ def heldout_figures(drafter, target, ds, heldout_idx: np.ndarray, buckets: np.nd
     """
     was_training = drafter.training
     drafter.eval()
-    bs = setup.block_size
-    sums = torch.zeros(4 + 4 * (bs - 1) + 2, dtype=torch.float32, device=setup.device)
+    D = setup.block_size - 1 + setup.label_shift  # proposals per block
+    sums = torch.zeros(4 + 4 * D + 2, dtype=torch.float32, device=setup.device)
     seen = {}
     hook = drafter.register_forward_hook(lambda _m, _a, out: seen.__setitem__("hidden", out))
     try:
@@ -59,7 +60,7 @@ def heldout_figures(drafter, target, ds, heldout_idx: np.ndarray, buckets: np.nd
     drafter.train(was_training)
     if sums[3].item() <= 0:
         return {"loss": None, "acc": None, "acc_by_position": None, "accept_by_position": None, "sim_tau": None}
-    correct, valid, accepted, reached = sums[4 : 4 + 4 * (bs - 1)].view(4, bs - 1)
+    correct, valid, accepted, reached = sums[4 : 4 + 4 * D].view(4, D)
     tau_sum, blocks = sums[-2:]
 
     def ratio(a, b):
@@ -73,24 +74,28 @@ def heldout_figures(drafter, target, ds, heldout_idx: np.ndarray, buckets: np.nd
 @torch.no_grad()
 def proposals(drafter, hidden: torch.Tensor, block_ids: torch.Tensor, lm_head: torch.Tensor, bs: int,
               chunk_rows: int) -> torch.Tensor:
-    """The drafter's proposal at every block position [B, N*bs] (position 0: the anchor itself), as
-    inference makes it (:meth:`DFlashDrafter.propose`), over chunks of blocks."""
+    """The drafter's proposal for every label of :func:`build_block_inputs` [B, N*bs] (DFlash: position 0,
+    the anchor itself, then the proposals; DSpark: bs proposals), as inference makes them
+    (:meth:`DFlashDrafter.propose`), over chunks of blocks."""
     B, Q, H = hidden.shape
-    blocks = hidden.reshape(-1, bs, H)[:, 1:]
+    blocks = hidden.reshape(-1, bs, H)
     anchors = block_ids.reshape(-1, bs)[:, 0]
-    step = max(1, chunk_rows // (bs - 1))
-    out = [drafter.propose(blocks[s : s + step], anchors[s : s + step], lm_head) for s in range(0, blocks.shape[0], step)]
-    return torch.cat([anchors[:, None], torch.cat(out)], dim=1).view(B, Q)
+    step = max(1, chunk_rows // bs)
+    out = torch.cat([drafter.propose(blocks[s : s + step], anchors[s : s + step], lm_head)
+                     for s in range(0, blocks.shape[0], step)])
+    if out.shape[1] < bs:
+        out = torch.cat([anchors[:, None], out], dim=1)
+    return out.view(B, Q)
 
 
 def acceptance_sums(drafter, hidden, target, batch, setup: Setup) -> torch.Tensor:
-    """Per-position sums [correct, valid, accepted, reached] x (bs-1), then [sum of block taus, blocks]."""
-    bs = setup.block_size
+    """Per-position sums [correct, valid, accepted, reached] x proposals per block, then [sum of block taus, blocks]."""
+    bs, first = setup.block_size, 1 - setup.label_shift  # the first block position that proposes
     block_ids, labels, weights = build_block_inputs(batch.input_ids, batch.loss_mask, batch.anchors, batch.keep, bs,
-                                                    setup.mask_token_id, setup.gamma)
+                                                    setup.mask_token_id, setup.gamma, setup.label_shift)
     pred = proposals(drafter, hidden, block_ids, target.get_output_embeddings().weight, bs, setup.loss_chunk_size)
-    valid = (weights > 0).view(-1, bs)[:, 1:]
-    correct = (pred == labels).view(-1, bs)[:, 1:] & valid
+    valid = (weights > 0).view(-1, bs)[:, first:]
+    correct = (pred == labels).view(-1, bs)[:, first:] & valid
     miss = valid & ~correct
     reached = valid & (torch.cumsum(miss.int(), dim=1) - miss.int() == 0)  # no miss before k
     accepted = reached & correct

@@ -20,7 +20,11 @@ again for inference only, with the same parameter names as the export:
   convolution over the block around attention and one around the MLP, logits
   scaled by ``output_multiplier`` and soft-capped (``final_logit_softcapping``),
   and a low-rank candidate selector choosing each position's token among the
-  top ``selector_top_k`` given the token chosen before it (``propose``).
+  top ``selector_top_k`` given the token chosen before it (``propose``);
+* DSpark (``Qwen3DSparkModel``): every block position drafts, position k the token after
+  position k (``block_size`` drafts per block), each with a low-rank Markov bias
+  ``markov_w2(markov_w1[token before])`` on its logits, position by position (``propose``); its
+  confidence head (``confidence_head.proj``) is loaded but not used by greedy decoding.
 
 The drafter has no embedding or LM head: both are the target's, passed in.
 :meth:`DFlashDraftModel.spec_generate` runs greedy speculative decoding with a
@@ -259,6 +263,7 @@ class DFlashDraftModel(PreTrainedModel):
     _no_split_modules = ["DFlashDecoderLayer"]
     _supports_sdpa = True
     has_block_conv = False
+    draft_from = 1  # the first block position that drafts (DSpark: 0)
 
     def __init__(self, config):
         super().__init__(config)
@@ -278,8 +283,10 @@ class DFlashDraftModel(PreTrainedModel):
 
     def _init_weights(self, module):
         std = getattr(self.config, "initializer_range", 0.02)
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
         elif isinstance(module, DFlashRMSNorm):
             nn.init.ones_(module.weight)
         elif isinstance(module, DFlashBlockConv):  # the identity: tap 0 = 1, no dynamic part
@@ -401,7 +408,7 @@ class DFlashDraftModel(PreTrainedModel):
             anchor = torch.tensor([[output[-1]]], device=dev)
             block = torch.cat([anchor, masks], dim=1)
             hidden = self(embed(block), torch.arange(n - 1, n - 1 + bs, device=dev)[None], past_key_values=cache)
-            drafts = self.propose(hidden[:, 1:], anchor[:, 0], head)[0]
+            drafts = self.propose(hidden[:, self.draft_from :], anchor[:, 0], head)[0]
             greedy, feats = run_target(torch.cat([anchor[0], drafts])[None], n - 1)
             matches = (drafts == greedy[:-1]).long().cumprod(0)
             accepted = int(matches.sum())
@@ -431,3 +438,39 @@ class DFlash2DraftModel(DFlashDraftModel):
     def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head) -> torch.Tensor:
         logits = self.compute_logits(hidden, lm_head)
         return self.candidate_selector.select(hidden.to(logits.dtype), logits, anchor_ids)
+
+
+class DSparkMarkovHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        rank = int(_setting(config, "markov_rank"))
+        self.markov_w1 = nn.Embedding(config.vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, config.vocab_size, bias=False)
+
+
+class DSparkConfidenceHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.proj = nn.Linear(config.hidden_size + int(_setting(config, "markov_rank")), 1)
+
+
+class Qwen3DSparkModel(DFlashDraftModel):
+    """DSpark: the DFlash backbone, every block position drafting, a Markov head over the token before."""
+
+    draft_from = 0
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.markov_head = DSparkMarkovHead(config)
+        self.confidence_head = DSparkConfidenceHead(config)
+        self.post_init()
+
+    @torch.no_grad()
+    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head) -> torch.Tensor:
+        logits = self.compute_logits(hidden, lm_head)
+        previous, path = anchor_ids, []
+        for i in range(hidden.shape[1]):
+            bias = self.markov_head.markov_w2(self.markov_head.markov_w1(previous))
+            previous = (logits[:, i].float() + bias.float()).argmax(dim=-1)
+            path.append(previous)
+        return torch.stack(path, dim=1)

@@ -17,12 +17,18 @@ What is minimised per row (:class:`Objective`), weighted by the row's position w
 * ``kl``: KL(p || q) from the target's own next-token distribution p (its LM head
   on its last hidden state at the position before the label: the teacher rows,
   chunked the same way) to the drafter's q: distillation;
+* ``dspark``: DSpark's (DeepSpec's recipe): 0.1 x the cross-entropy with the data's token
+  + 0.9 x the L1 distance sum |p - q| to the target's p (twice the total variation);
 * plus, with ``tv_weight`` > 0, that multiple of the total variation
   0.5 * sum |p - q| (p: the teacher, or the one-hot label for ``ce``), whose
   complement is the probability that speculative sampling accepts the draft.
 
 DFlash 2's logits are scaled (``multiplier``) and soft-capped (``cap``) before the
-softmax; the gradient goes through both. Accuracy (top-1 = the data's label) is
+softmax; the gradient goes through both. DSpark's Markov head adds a low-rank term to every
+row's logits, ``e_i @ W2.T`` (e_i: the head's embedding of the token before the row's label):
+the chunks add it, and their gradient reaches e and W2. With ``accept``, the chunks also give
+each row's acceptance 1 - TV(p, q) (no gradient): DSpark's confidence head learns it
+(:func:`confidence_loss`). Accuracy (top-1 = the data's label) is
 counted the same way for every objective.
 """
 
@@ -33,7 +39,10 @@ from typing import Callable
 
 import torch
 
-LOSSES = ("ce", "kl")
+LOSSES = ("ce", "kl", "dspark")
+#: DSpark's weights of its cross-entropy, L1 distance and confidence terms (DeepSpec's recipe:
+#: ce_loss_alpha, l1_loss_alpha, confidence_head_alpha)
+DSPARK_CE, DSPARK_L1, DSPARK_CONFIDENCE = 0.1, 0.9, 1.0
 
 
 @dataclass(frozen=True)
@@ -44,17 +53,19 @@ class Objective:
     tv_weight: float = 0.0
     multiplier: float = 1.0
     cap: float | None = None
+    accept: bool = False  # also each row's acceptance 1 - TV(p, q) (DSpark's confidence target)
 
     @property
     def needs_teacher(self) -> bool:
-        return self.loss == "kl"
+        return self.loss in ("kl", "dspark")
 
 
 CE = Objective()
 
 
 def _chunk_stats(logits, y, teacher, obj: Objective, need_grad: bool):
-    """One chunk of rows: (loss per row [c], correct per row [c], d loss_row / d logits [c, V] or None).
+    """One chunk of rows: (loss per row [c], correct per row [c], d loss_row / d logits [c, V] or None,
+    acceptance per row [c] or None).
 
     logits [c, V] (the drafter's, before any transform) in the LM head's dtype; y [c]
     long; teacher [c, V] (the target's logits) or None. The math runs in fp32, and so
@@ -68,27 +79,35 @@ def _chunk_stats(logits, y, teacher, obj: Objective, need_grad: bool):
     lse = torch.logsumexp(x, dim=-1)
     correct = (x.argmax(dim=-1) == y).float()
     onehot = torch.arange(x.shape[1], device=x.device)[None, :] == y[:, None]
+    ce = lse - x.gather(1, y[:, None])[:, 0]
     if teacher is None:
-        per_row = lse - x.gather(1, y[:, None])[:, 0]
         p = onehot.float()
     else:
         log_p = torch.log_softmax(teacher.float(), dim=-1)
         p = log_p.exp()
-        per_row = (p * (log_p - (x - lse[:, None]))).sum(-1)
     q = torch.exp(x - lse[:, None])
+    l1 = (q - p).abs().sum(-1) if obj.loss == "dspark" or obj.tv_weight > 0 or obj.accept else None
+    if obj.loss == "ce":
+        per_row = ce
+    elif obj.loss == "dspark":
+        per_row = DSPARK_CE * ce + DSPARK_L1 * l1
+    else:
+        per_row = (p * (log_p - (x - lse[:, None]))).sum(-1)
+    l1_weight = (DSPARK_L1 if obj.loss == "dspark" else 0.0) + 0.5 * obj.tv_weight
     if obj.tv_weight > 0:
-        per_row = per_row + obj.tv_weight * 0.5 * (q - p).abs().sum(-1)
+        per_row = per_row + obj.tv_weight * 0.5 * l1
+    accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0) if obj.accept else None
     if not need_grad:
-        return per_row, correct, None
-    g = q - p  # d(CE or KL)/dx
-    if obj.tv_weight > 0:
+        return per_row, correct, None, accept
+    g = DSPARK_CE * (q - onehot.float()) if obj.loss == "dspark" else q - p  # d(CE, KL or its CE part)/dx
+    if l1_weight > 0:
         s = torch.sign(q - p)
-        g = g + obj.tv_weight * 0.5 * q * (s - (s * q).sum(-1, keepdim=True))
+        g = g + l1_weight * q * (s - (s * q).sum(-1, keepdim=True))
     if obj.cap is not None:
         g = g * (1.0 - (x / obj.cap) ** 2)
     if obj.multiplier != 1.0:
         g = g * obj.multiplier
-    return per_row, correct, g
+    return per_row, correct, g, accept
 
 
 @dataclass(frozen=True)
@@ -114,9 +133,10 @@ def _pad_rows(t, n):
 
 
 class _ChunkedLinearLoss(torch.autograd.Function):
-    """(h [M, H], W [V, H], labels [M], w [M], teacher_h [M, H] or None, chunk, ChunkCE, Objective, reweight)
-    -> (sum_i w_i*loss_i, sum_i w_i*[argmax_i == label_i], sum_i w_i).
+    """(h [M, H], W [V, H], labels [M], w [M], teacher_h [M, H] or None, e [M, r] or None, W2 [V, r] or None,
+    chunk, ChunkCE, Objective, reweight, collect) -> (sum_i w_i*loss_i, sum_i w_i*[argmax_i == label_i], sum_i w_i).
 
+    The logits of row i are ``h_i @ W.T`` (+ ``e_i @ W2.T``: DSpark's Markov head).
     ``reweight`` (optional, no gradient): per-row losses [M] -> the weights [M] the loss
     uses instead of ``w`` (D-PACE); the accuracy keeps ``w``. The per-row gradients are
     computed unweighted and scaled once every weight is known, so it costs no second
@@ -124,15 +144,20 @@ class _ChunkedLinearLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, labels, w, teacher_h, chunk_size, ce, obj, reweight, collect):
+    def forward(ctx, h, weight, labels, w, teacher_h, e, w2, chunk_size, ce, obj, reweight, collect):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if need_w and reweight is not None:
-            raise ValueError("block_loss: a re-weighted loss (D-PACE) cannot train the LM head weight")
+        need_e, need_w2 = ctx.needs_input_grad[5], ctx.needs_input_grad[6]
+        if (need_w or need_w2) and reweight is not None:
+            raise ValueError("block_loss: a re-weighted loss (D-PACE) cannot train the LM head or Markov head weight")
         M = h.shape[0]
         row_loss = torch.empty(M, dtype=torch.float32, device=h.device)
         row_correct = torch.empty(M, dtype=torch.float32, device=h.device)
         grad_h = torch.empty(h.shape, dtype=torch.float32, device=h.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_e = torch.empty(e.shape, dtype=torch.float32, device=h.device) if need_e else None
+        grad_w2 = torch.zeros(w2.shape, dtype=torch.float32, device=w2.device) if need_w2 else None
+        if obj.accept:
+            collect["accept"] = torch.empty(M, dtype=torch.float32, device=h.device)
         top_k = collect.get("top_k", 0) if collect is not None else 0
         if top_k:  # the logits' top k, for DFlash 2's selector loss (no second LM-head pass there)
             collect["candidates"] = torch.empty(M, top_k, dtype=torch.long, device=h.device)
@@ -141,13 +166,18 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         for s in range(0, M, chunk_size):
             hc, yc = h[s : s + chunk_size].to(weight.dtype), labels[s : s + chunk_size]  # the LM head's dtype
             tc = teacher_h[s : s + chunk_size].to(weight.dtype) if teacher_h is not None else None
+            ec = e[s : s + chunk_size].to(w2.dtype) if e is not None else None
             n = hc.shape[0]
             pad = chunk_size - n if ce.static_shape else 0  # one static shape for the compiled chunk
             hc, yc = _pad_rows(hc, pad), _pad_rows(yc, pad)
             teacher = _pad_rows(tc, pad) @ weight.t() if tc is not None else None
             logits = hc @ weight.t()  # [c, V]
-            lrow, crow, g = ce.fn(logits, yc, teacher, obj, need_h or need_w)
+            if ec is not None:
+                logits = logits + (_pad_rows(ec, pad) @ w2.t()).to(logits.dtype)
+            lrow, crow, g, arow = ce.fn(logits, yc, teacher, obj, need_h or need_w or need_e or need_w2)
             row_loss[s : s + n], row_correct[s : s + n] = lrow[:n], crow[:n]
+            if arow is not None:
+                collect["accept"][s : s + n] = arow[:n]
             if top_k:  # the multiplier (> 0) and the soft cap are monotone: the raw logits' order is theirs
                 collect["candidates"][s : s + n] = logits[:n].topk(top_k, dim=-1).indices
             if "teacher_argmax" in (collect or {}):
@@ -159,14 +189,20 @@ class _ChunkedLinearLoss(torch.autograd.Function):
                     grad_h[s : s + n] = g.to(weight.dtype) @ weight  # unweighted: scaled below
                 if need_w:
                     grad_w += (g * w[s : s + n, None].float()).t() @ hc[:n].float()
+                if need_e:
+                    grad_e[s : s + n] = g.to(w2.dtype) @ w2  # unweighted: scaled below
+                if need_w2:
+                    grad_w2 += (g * w[s : s + n, None].float()).t() @ ec.float()
                 del g
         wf = w.float()
         lw = reweight(row_loss).float() if reweight is not None else wf
         if grad_h is not None:
             grad_h = (grad_h * lw[:, None]).to(h.dtype)
-        ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
-        ctx.has = (need_h, need_w)
-        ctx.w_dtype = weight.dtype
+        if grad_e is not None:
+            grad_e = (grad_e * lw[:, None]).to(e.dtype)
+        ctx.save_for_backward(*(t for t in (grad_h, grad_w, grad_e, grad_w2) if t is not None))
+        ctx.has = (need_h, need_w, need_e, need_w2)
+        ctx.dtypes = (weight.dtype, w2.dtype if w2 is not None else None)
         correct, lw_sum = (row_correct * wf).sum(), lw.sum()
         ctx.mark_non_differentiable(correct, lw_sum)
         return (row_loss * lw).sum(), correct, lw_sum
@@ -174,14 +210,19 @@ class _ChunkedLinearLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_correct, grad_wsum):
         saved = list(ctx.saved_tensors)
-        need_h, need_w = ctx.has
-        gh = gw = None
+        need_h, need_w, need_e, need_w2 = ctx.has
+        gh = gw = ge = gw2 = None
         if need_h:
             grad_h = saved.pop(0)
             gh = grad_h * grad_loss.to(grad_h.dtype)
         if need_w:
-            gw = (saved.pop(0) * grad_loss).to(ctx.w_dtype)
-        return gh, gw, None, None, None, None, None, None, None, None
+            gw = (saved.pop(0) * grad_loss).to(ctx.dtypes[0])
+        if need_e:
+            grad_e = saved.pop(0)
+            ge = grad_e * grad_loss.to(grad_e.dtype)
+        if need_w2:
+            gw2 = (saved.pop(0) * grad_loss).to(ctx.dtypes[1])
+        return gh, gw, None, None, None, ge, gw2, None, None, None, None, None
 
 
 def block_loss(
@@ -196,6 +237,7 @@ def block_loss(
     teacher_hidden: torch.Tensor | None = None,
     reweight: Callable | None = None,
     collect: dict | None = None,
+    markov: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """Weighted loss and weighted top-1 accuracy of the drafter's predictions.
 
@@ -218,12 +260,16 @@ def block_loss(
     [B*Q] grid (``reweight(row_loss, idx) -> weights``). ``collect`` (optional dict): filled with what
     the chunks' logits already give, so no caller runs the LM head again: ``teacher_argmax`` [B, Q]
     (the target's greedy token after each row, with a teacher; the label where w = 0) and, if it
-    holds ``top_k``, ``candidates`` [B, Q, top_k] (the drafter's top-k tokens; 0 where w = 0).
+    holds ``top_k``, ``candidates`` [B, Q, top_k] (the drafter's top-k tokens; 0 where w = 0) and, with
+    ``objective.accept``, ``accept`` [B, Q] (each row's 1 - TV(p, q); 0 where w = 0). ``markov``: DSpark's
+    (e [B, Q, r], W2 [V, r]): every row's logits get ``e @ W2.T`` added (the Markov head's bias).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"block_loss: reduction must be 'mean' or 'sum', got {reduction!r}")
     if objective.needs_teacher and teacher_hidden is None:
         raise ValueError(f"block_loss: loss {objective.loss!r} needs the target's hidden states (teacher_hidden)")
+    if objective.accept and collect is None:
+        raise ValueError("block_loss: objective.accept needs a collect dict to return the acceptance in")
     H = hidden.shape[-1]
     h = hidden.reshape(-1, H)
     y = labels.reshape(-1)
@@ -232,15 +278,20 @@ def block_loss(
     total = w.sum()
     if idx.numel() == 0:
         zero = (hidden.sum() * 0.0).float()
+        if objective.accept:
+            collect["accept"] = w.new_zeros(labels.shape)
         return (zero, zero.detach(), zero.detach()) if reduction == "sum" else (zero, zero.detach())
     teacher = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[idx] if objective.needs_teacher else None
     rows = (lambda row_loss: reweight(row_loss, idx)) if reweight is not None else None
-    loss_sum, correct, loss_weight = _ChunkedLinearLoss.apply(h[idx], lm_head_weight, y[idx], w[idx], teacher,
+    e, w2 = (markov[0].reshape(-1, markov[0].shape[-1])[idx], markov[1]) if markov is not None else (None, None)
+    loss_sum, correct, loss_weight = _ChunkedLinearLoss.apply(h[idx], lm_head_weight, y[idx], w[idx], teacher, e, w2,
                                                               int(chunk_size), ce, objective, rows, collect)
     if collect is not None:  # back onto the [B, Q] grid of the inputs
         grid = labels.shape
         if "teacher_argmax" in collect:
             collect["teacher_argmax"] = y.clone().index_copy_(0, idx, collect["teacher_argmax"]).view(grid)
+        if "accept" in collect:
+            collect["accept"] = w.new_zeros(y.shape[0]).index_copy_(0, idx, collect["accept"]).view(grid)
         if "candidates" in collect:
             c = collect["candidates"]
             collect["candidates"] = c.new_zeros(y.shape[0], c.shape[1]).index_copy_(0, idx, c).view(*grid, -1)
@@ -303,3 +354,16 @@ def selector_loss(
         ce = torch.nn.functional.cross_entropy(scores, label, reduction="none")
         total = total + (ce * w[s : s + chunk_size]).sum()
     return total
+
+
+def confidence_loss(head, hidden: torch.Tensor, previous_embeds: torch.Tensor, accept: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+    """DSpark's confidence objective: sum of w x BCE(head's logit, the row's acceptance 1 - TV(p, q)).
+
+    hidden [B, Q, H] (the drafter's final-normed output), previous_embeds [B, Q, r] (the Markov head's
+    embedding of the token before each label), accept [B, Q] (no gradient: :func:`block_loss`'s
+    ``collect``), weights [B, Q] (the loss's position weights). Returns the weighted sum (0-dim, fp32).
+    """
+    logits = head(hidden, previous_embeds).float()
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, accept.detach().float(), reduction="none")
+    return (bce * weights.float()).sum()

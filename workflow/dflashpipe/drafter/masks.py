@@ -4,7 +4,8 @@ Layout of one training sequence (length S) with N blocks of size bs:
 
 * queries: the N*bs block tokens, block b = [anchor token a_b, MASK x (bs-1)]
 * keys:    [context 0..S-1 ; blocks S..S+N*bs-1]
-* block position k of block b predicts token a_b + k (k = 1..bs-1 are trained)
+* block position k of block b predicts token a_b + k (k = 1..bs-1 are trained); with a label
+  shift of 1 (DSpark) position k predicts a_b + k + 1 (k = 0..bs-1 are trained)
 
 ONE mask function, :func:`dflash_mask_mod`, defines visibility; it is evaluated
 on index grids for the dense SDPA mask (:func:`dense_mask`, CPU training) and by
@@ -20,14 +21,16 @@ from torch.nn.attention.flex_attention import create_block_mask
 _KNOWN_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
-def default_gamma(block_size: int) -> float:
+def default_gamma(block_size: int, shift: int = 0) -> float:
     """Decay constant of the loss weights exp(-(k-1)/gamma).
 
     7 for bs 16, 5 for bs 10, 4 for bs 8 (paper). Other sizes: piecewise-linear
     through those points, (8, 4) - (10, 5) - (16, 7), extended linearly at the
-    ends, never below 1 (bs 4 -> 2, bs 12 -> 5.67, bs 32 -> 12.33).
+    ends, never below 1 (bs 4 -> 2, bs 12 -> 5.67, bs 32 -> 12.33). By the drafted
+    positions: with a label shift (DSpark: bs drafts per block) that of bs + shift
+    (DSpark's block 7 -> 4, DeepSpec's recipe).
     """
-    bs = int(block_size)
+    bs = int(block_size) + int(shift)
     if bs in _KNOWN_GAMMA:
         return _KNOWN_GAMMA[bs]
     if bs < 10:
@@ -162,23 +165,25 @@ def build_block_inputs(
     block_size: int,
     mask_token_id: int,
     gamma: float | None = None,
+    shift: int = 0,
 ):
     """Block tokens, labels and loss weights.
 
     input_ids [B, S] long, loss_mask [B, S] bool, anchors/keep [B, N] ->
     block_ids [B, N*bs] (anchor token, then MASK x (bs-1)),
-    labels [B, N*bs] (block position k -> input_ids[a + k]; where a + k >= S the
-    label is a placeholder, the clamped last token, with weight 0),
-    weights [B, N*bs] float32: w_k = exp(-(k-1)/gamma) for k = 1..bs-1, 0 at k=0,
-    0 where a + k >= S or loss_mask[a + k] is False, 0 for padded blocks.
+    labels [B, N*bs] (block position k -> input_ids[a + k + shift]; where that is past
+    the end the label is a placeholder, the clamped last token, with weight 0),
+    weights [B, N*bs] float32: w_k = exp(-(k+shift-1)/gamma) for the drafting positions
+    (k >= 1 - shift), 0 at k=0 without shift, 0 where the label is past the end or outside
+    the loss mask, 0 for padded blocks. ``shift``: the drafter's ``label_shift`` (DSpark: 1).
     """
     B, S = input_ids.shape
     N = anchors.shape[1]
     bs = int(block_size)
-    gamma = default_gamma(bs) if gamma is None else float(gamma)
+    gamma = default_gamma(bs, shift) if gamma is None else float(gamma)
     dev = input_ids.device
     k = torch.arange(bs, device=dev)
-    pos = anchors[:, :, None] + k  # [B, N, bs]
+    pos = anchors[:, :, None] + k + int(shift)  # [B, N, bs]
     inside = pos < S
     pos_c = pos.clamp(max=S - 1).reshape(B, N * bs)
     labels = input_ids.gather(1, pos_c)
@@ -186,8 +191,9 @@ def build_block_inputs(
 
     block_ids = torch.full((B, N, bs), int(mask_token_id), dtype=input_ids.dtype, device=dev)
     block_ids[:, :, 0] = input_ids.gather(1, anchors)
-    decay = torch.exp(-(k.float() - 1.0) / gamma)
-    decay[0] = 0.0
+    decay = torch.exp(-(k.float() + shift - 1.0) / gamma)
+    if not shift:
+        decay[0] = 0.0
     ok = inside & label_in_mask & keep[:, :, None]
     weights = torch.where(ok, decay.expand(B, N, bs), torch.zeros((), device=dev))
     return block_ids.view(B, N * bs), labels, weights.view(B, N * bs)

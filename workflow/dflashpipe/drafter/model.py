@@ -37,7 +37,13 @@ Two architectures (``DrafterConfig.arch``), one class:
   :class:`CandidateSelector` that re-ranks the top-k candidates of each block
   position given the token chosen before it (:meth:`DFlashDrafter.propose`).
 
-Either can have sliding-window layers (``layer_types`` / ``sliding_window``): a
+* ``dspark``: DeepSeek's DSpark (DeepSpec ``Qwen3DSparkModel``): the DFlash backbone whose
+  block slot k predicts the token after position a+k (slot 0, the anchor, drafts too: a block of
+  bs slots proposes bs tokens; :attr:`DrafterConfig.label_shift`), a low-rank :class:`MarkovHead`
+  adding a bias from the token before each slot to its logits (the anchor, then each drafted
+  token in turn), and a :class:`ConfidenceHead` predicting each slot's acceptance.
+
+Any can have sliding-window layers (``layer_types`` / ``sliding_window``): a
 block query at position p sees a context key j only if p - j < sliding_window.
 """
 
@@ -66,7 +72,7 @@ def _block_layer(layer, h, ctx, ctx_cos, ctx_sin, blk_cos, blk_sin, attn):
 #: ``layers``: each layer one compiled graph, shared by all layers, flex_attention traced inside;
 #: ``flex``: only flex_attention compiled; ``none``: eager (the default; CPU/SDPA training).
 COMPILE_MODES = ("layers", "flex", "none")
-ARCHS = ("dflash", "dflash2")
+ARCHS = ("dflash", "dflash2", "dspark")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -156,6 +162,8 @@ class DrafterConfig:
     selector_top_k: int = _arch(16)
     final_logit_softcapping: float | None = _arch(None)
     output_multiplier: float = _arch(1.0)
+    # dspark only (DeepSpec's keys)
+    markov_rank: int = _arch(256)
 
     def __post_init__(self):
         if not self.target_layer_ids:
@@ -163,6 +171,16 @@ class DrafterConfig:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
         self.layer_types = resolve_layer_types(self.num_hidden_layers, self.sliding_window, self.layer_types)
         self.validate()
+
+    @property
+    def label_shift(self) -> int:
+        """1 for DSpark (block slot k predicts token a+k+1, every slot drafts), 0 else (slot k predicts a+k)."""
+        return int(self.arch == "dspark")
+
+    @property
+    def num_drafts(self) -> int:
+        """Tokens one block proposes: bs - 1 (DFlash: slots 1..bs-1), bs (DSpark: every slot)."""
+        return self.block_size - 1 + self.label_shift
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of layer ``layer`` (None: full attention)."""
@@ -211,6 +229,8 @@ class DrafterConfig:
             if not 1 <= self.selector_top_k <= self.vocab_size or self.selector_rank < 1 or self.conv_kernel_size < 1:
                 raise UserError("drafter: selector_top_k, selector_rank and conv_kernel_size must be >= 1 "
                                 "(selector_top_k at most the vocabulary)")
+        if self.arch == "dspark" and self.markov_rank < 1:
+            raise UserError(f"drafter.markov_rank ({self.markov_rank}) must be >= 1")
 
     @classmethod
     def from_target_config(
@@ -507,6 +527,33 @@ class CandidateSelector(nn.Module):
         return candidates.gather(-1, torch.stack(path, dim=1)[..., None])[..., 0]
 
 
+class MarkovHead(nn.Module):
+    """DSpark's low-rank Markov head: the bias ``markov_w2(markov_w1[previous token])`` [..., V] added to a
+    block slot's logits (DeepSpec's ``vanilla`` head; keys ``markov_head.markov_w{1,2}.weight``, both [V, rank])."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(cfg.vocab_size, cfg.markov_rank)
+        self.markov_w2 = nn.Linear(cfg.markov_rank, cfg.vocab_size, bias=False)
+
+    def bias(self, previous: torch.Tensor) -> torch.Tensor:
+        return self.markov_w2(self.markov_w1(previous))
+
+
+class ConfidenceHead(nn.Module):
+    """DSpark's confidence head: a slot's acceptance logit from [hidden ; markov_w1[previous token]]
+    (``confidence_head.proj`` with a bias; DeepSpec's ``confidence_head_with_markov``)."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.proj = nn.Linear(cfg.hidden_size + cfg.markov_rank, 1)
+
+    def forward(self, hidden: torch.Tensor, previous_embeds: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H], previous_embeds [..., rank] -> logits [...]."""
+        x = torch.cat([hidden, previous_embeds.to(hidden.dtype)], dim=-1)
+        return self.proj(x.to(self.proj.weight.dtype))[..., 0]
+
+
 # ---------------------------------------------------------------------------
 # Inference cache
 # ---------------------------------------------------------------------------
@@ -560,9 +607,14 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.candidate_selector = CandidateSelector(cfg) if cfg.arch == "dflash2" else None
+        dspark = cfg.arch == "dspark"
+        self.markov_head = MarkovHead(cfg) if dspark else None
+        self.confidence_head = ConfidenceHead(cfg) if dspark else None
         for m in self.modules():
-            if isinstance(m, nn.Linear):
+            if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=self.INIT_STD)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
         for layer in self.layers:  # the convolutions start as the identity
             for conv in (layer.attention_conv, layer.mlp_conv):
                 if conv is not None:
@@ -630,11 +682,20 @@ class DFlashDrafter(nn.Module):
 
     @torch.no_grad()
     def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """Draft tokens of block positions 1..bs-1: hidden [B, bs-1, H], anchor_ids [B] -> [B, bs-1].
+        """A block's draft tokens: hidden [B, bs, H] (the whole block), anchor_ids [B] -> [B, num_drafts].
 
-        DFlash: the argmax of each position. DFlash 2: the candidate selector's greedy path.
+        DFlash: the argmax of slots 1..bs-1. DFlash 2: the candidate selector's greedy path over them.
+        DSpark: slot by slot over all bs slots, the argmax of its logits plus the Markov head's bias
+        from the token before it (the anchor, then the token just drafted).
         """
+        hidden = hidden[:, 1 - self.cfg.label_shift :]
         logits = self.compute_logits(hidden, lm_head_weight)
+        if self.markov_head is not None:
+            previous, path = anchor_ids, []
+            for i in range(hidden.shape[1]):
+                previous = (logits[:, i].float() + self.markov_head.bias(previous).float()).argmax(dim=-1)
+                path.append(previous)
+            return torch.stack(path, dim=1)
         if self.candidate_selector is None:
             return logits.argmax(dim=-1)
         return self.candidate_selector.select(hidden.to(logits.dtype), logits, anchor_ids)
@@ -713,4 +774,10 @@ def expected_state_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         shapes["candidate_selector.predecessor_codebook"] = (V, R)
         shapes["candidate_selector.successor_codebook"] = (V, R)
         shapes["candidate_selector.hidden_projection.weight"] = (R, H)
+    if cfg.arch == "dspark":
+        V, R = cfg.vocab_size, cfg.markov_rank
+        shapes["markov_head.markov_w1.weight"] = (V, R)
+        shapes["markov_head.markov_w2.weight"] = (V, R)
+        shapes["confidence_head.proj.weight"] = (1, H + R)
+        shapes["confidence_head.proj.bias"] = (1,)
     return shapes

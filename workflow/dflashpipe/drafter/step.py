@@ -25,7 +25,8 @@ from dflashpipe.errors import UserError
 from .data import PRIME_SALT, make_batch, sample_seed
 from .distributed import all_reduce_
 from .features import TargetCache, compiled_target_layer, context_features
-from .loss import EAGER_CE, ChunkCE, Objective, block_loss, compiled_chunk_ce, selector_loss
+from .loss import (DSPARK_CONFIDENCE, EAGER_CE, ChunkCE, Objective, block_loss, compiled_chunk_ce, confidence_loss,
+                   selector_loss)
 from .masks import block_mask, block_position_ids, build_block_inputs, default_gamma, dense_mask, dpace_weights
 from .model import resolve_layer_types
 
@@ -45,6 +46,7 @@ class Setup:
     autocast_dtype: torch.dtype | None  # bf16 on CUDA (fp32 master weights), None: plain fp32
     target_dtype: torch.dtype
     block_size: int
+    label_shift: int  # DrafterConfig.label_shift: DSpark's slots predict one token further (every slot drafts)
     num_anchors: int
     mask_token_id: int
     layer_ids: list[int]
@@ -77,10 +79,13 @@ def resolve_setup(cfg, device: str, mask_token_id: int, layer_ids: list[int], wo
         )
     compile_mode = cfg.compile if attention == "flex" else "none"
     layers = compile_mode == "layers"
-    dflash2 = cfg.arch == "dflash2"
+    dflash2, dspark = cfg.arch == "dflash2", cfg.arch == "dspark"
+    if dspark and cfg.position_weights == "dpace":
+        raise UserError("train.position_weights: dpace re-weighs rows after their gradients are taken, which the "
+                        "Markov head of drafter.arch dspark cannot follow; use decay")
     cap = cfg.final_logit_softcapping if dflash2 else None
     objective = Objective(loss=cfg.loss, tv_weight=cfg.tv_weight, multiplier=cfg.output_multiplier if dflash2 else 1.0,
-                          cap=float(cap) if cap else None)
+                          cap=float(cap) if cap else None, accept=dspark)
     layer_types = resolve_layer_types(cfg.num_layers, cfg.sliding_window, cfg.layer_types)
     return Setup(
         device=dev,
@@ -89,10 +94,11 @@ def resolve_setup(cfg, device: str, mask_token_id: int, layer_ids: list[int], wo
         autocast_dtype=torch.bfloat16 if bf16 else None,
         target_dtype=torch.bfloat16 if bf16 else torch.float32,
         block_size=cfg.block_size,
+        label_shift=int(dspark),
         num_anchors=cfg.num_anchors,
         mask_token_id=int(mask_token_id),
         layer_ids=list(layer_ids),
-        gamma=default_gamma(cfg.block_size),
+        gamma=default_gamma(cfg.block_size, int(dspark)),
         loss_chunk_size=cfg.loss_chunk_size,
         grad_clip=cfg.grad_clip,
         rank_batch=cfg.batch_size // world_size,
@@ -163,10 +169,10 @@ def attention_masks(batch, setup: Setup, S: int):
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
-def _rows_before_labels(anchors: torch.Tensor, S: int, bs: int) -> torch.Tensor:
-    """[B, N*bs]: for block position k of each block, the position a + k - 1 (the token before the label)."""
+def _rows_before_labels(anchors: torch.Tensor, S: int, bs: int, shift: int = 0) -> torch.Tensor:
+    """[B, N*bs]: for block position k of each block, the position a + k + shift - 1 (the token before the label)."""
     B, N = anchors.shape
-    pos = anchors[:, :, None] + torch.arange(bs, device=anchors.device) - 1
+    pos = anchors[:, :, None] + torch.arange(bs, device=anchors.device) + shift - 1
     return pos.clamp(0, S - 1).reshape(B, N * bs)
 
 
@@ -209,16 +215,19 @@ def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
     obj = setup.objective
     drafter = getattr(model, "module", model)
     selector = getattr(drafter, "candidate_selector", None) if setup.selector_weight > 0 else None
+    markov = getattr(drafter, "markov_head", None)
     with torch.no_grad():
         target_hidden, final = _target_outputs(target, batch, setup, obj.needs_teacher)
+        rows = _rows_before_labels(batch.anchors, S, bs, setup.label_shift)
         teacher = None
         if obj.needs_teacher:  # the target's last hidden state at the position before each label
-            rows = _rows_before_labels(batch.anchors, S, bs)
             teacher = final.gather(1, rows[..., None].expand(-1, -1, final.shape[-1]))
             del final
         block_ids, labels, weights = build_block_inputs(
-            batch.input_ids, batch.loss_mask, batch.anchors, batch.keep, bs, setup.mask_token_id, setup.gamma
+            batch.input_ids, batch.loss_mask, batch.anchors, batch.keep, bs, setup.mask_token_id, setup.gamma,
+            setup.label_shift
         )
+        previous = batch.input_ids.gather(1, rows)  # the token before each label (position 1: the anchor)
         block_embeds = target.get_input_embeddings()(block_ids)
         position_ids = block_position_ids(batch.anchors, S, bs)
     mark("target_forward")
@@ -232,12 +241,17 @@ def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
         hidden = model(block_embeds, target_hidden, position_ids, attn)
     lm_head = target.get_output_embeddings().weight
     reweight = _dpace_reweight(weights, bs) if setup.position_weights == "dpace" else None
-    found = {"top_k": selector.top_k} if selector is not None else None  # what the LM head's chunks give on the way
+    # what the LM head's chunks give on the way: DFlash 2's candidates, DSpark's acceptance per row
+    found = {"top_k": selector.top_k} if selector is not None else ({} if obj.accept else None)
+    previous_embeds = markov.markov_w1(previous) if markov is not None else None  # DSpark: teacher-forced
     loss_sum, correct, loss_weight = block_loss(hidden, lm_head, labels, weights, setup.loss_chunk_size,
                                                 reduction="sum", ce=setup.chunk_ce, objective=obj,
-                                                teacher_hidden=teacher, reweight=reweight, collect=found)
+                                                teacher_hidden=teacher, reweight=reweight, collect=found,
+                                                markov=(previous_embeds, markov.markov_w2.weight) if markov else None)
+    if markov is not None:  # the confidence head learns each row's acceptance
+        loss_sum = loss_sum + DSPARK_CONFIDENCE * confidence_loss(drafter.confidence_head, hidden, previous_embeds,
+                                                                  found["accept"], weights)
     if selector is not None:
-        previous = batch.input_ids.gather(1, _rows_before_labels(batch.anchors, S, bs))  # position 1: the anchor
         chosen = found.get("teacher_argmax", labels)  # the target's own greedy token, with a teacher
         loss_sum = loss_sum + setup.selector_weight * selector_loss(
             selector, hidden, lm_head, previous, chosen, weights, obj, setup.loss_chunk_size,

@@ -140,7 +140,9 @@ def _row(pid, method: str, r: DecodeResult, ar: DecodeResult | None, tokenizer) 
     }
 
 
-def _summarise(method: str, results: list[DecodeResult], ar: list[DecodeResult], block_size: int, extra: dict) -> dict:
+def _summarise(method: str, results: list[DecodeResult], ar: list[DecodeResult], block_size: int, extra: dict,
+               verify_len: int) -> dict:
+    """``verify_len``: tokens of one verify, the anchor and the drafts (block_size; DSpark: block_size + 1)."""
     dec_tokens = sum(r.decode_tokens for r in results)
     dec_s = sum(r.decode_s for r in results)
     ar_tokens = sum(r.decode_tokens for r in ar)
@@ -176,8 +178,8 @@ def _summarise(method: str, results: list[DecodeResult], ar: list[DecodeResult],
                 "tau_authors_mean": M.tau_mean([r.committed_raw for r in results]),
                 "tau_authors_pooled": M.tau_pooled([r.committed_raw for r in results]),
                 "block_size": block_size,
-                "acceptance_histogram": M.acceptance_histogram(accepted, block_size),
-                "per_position_acceptance": M.per_position_acceptance(accepted, block_size),
+                "acceptance_histogram": M.acceptance_histogram(accepted, verify_len),
+                "per_position_acceptance": M.per_position_acceptance(accepted, verify_len),
             }
         )
     out.update(extra)
@@ -249,7 +251,7 @@ def _evaluate(target_dir, drafter_dir, prompts_parquet, samples_out, summary_out
     # rounded up to EVAL_CAPACITY_STEP positions (see there)
     need = max(len(e) for e in encoded) + s.max_new_tokens + 2 * dcfg.block_size
     capacity = round_capacity(need, EVAL_CAPACITY_STEP)
-    verify = target_runner(target, s.target_step, dcfg.target_layer_ids, capacity, graph_sizes=(dcfg.block_size,))
+    verify = target_runner(target, s.target_step, dcfg.target_layer_ids, capacity, graph_sizes=(dcfg.num_drafts + 1,))
     dflash = DFlashDecoder(target, drafter, dcfg, eos, runner=verify,
                            draft_runner=drafter_runner(drafter, verify, s.target_step, capacity))
     ar_dec = ARDecoder(target, eos, runner=target_runner(target, s.target_step, None, capacity, graph_sizes=(1,)))
@@ -293,7 +295,8 @@ def _evaluate(target_dir, drafter_dir, prompts_parquet, samples_out, summary_out
         "timing": "decode only: from the first output token (produced by the prefill forward) to the last; "
         "speed-up = AR time per decode token / method time per decode token, AR = same-harness autoregressive",
         "methods": {
-            m: _summarise(m, results[m], ar, dcfg.block_size, {**runners[m].summary, **measured[m]}) for m in runners
+            m: _summarise(m, results[m], ar, dcfg.block_size, {**runners[m].summary, **measured[m]}, dcfg.num_drafts + 1)
+            for m in runners
         },
         # listed in evaluate.methods but not run, with the reason (e.g. hf_dflash on an older transformers)
         "skipped_methods": skipped_methods,
