@@ -24,6 +24,11 @@ R=(python3 benchmarks/recipes.py --config "${CONFIG:-config/smollm2.yaml}" --tar
    --set train.attention=sdpa)
 # the rules compared: the default first
 VARIANTS=("cut_loop generated" "cut_loop text" "drop generated" "mask_end generated")
+# the runs of the train stage (NAME RECIPE SEED CUT_REPLIES REPLY_IDS): the default recipe on each rule,
+# the other recipes on the default rule; the speed stage evaluates the first SPEED_RUNS alone
+RUNS=("default dflash2 0 cut_loop generated" "dspark dspark 0 cut_loop generated"
+      "dflash_kl dflash_kl 0 cut_loop generated" "dflash_ce dflash_ce 0 cut_loop generated"
+      "text dflash2 0 cut_loop text" "drop dflash2 0 drop generated" "mask_end dflash2 0 mask_end generated")
 
 report() {  # DIR OUT: DIR's files as OUT/NAME.tar.gz, its .md and .png files beside it
     mkdir -p "$2"
@@ -67,22 +72,17 @@ for f in sorted(glob.glob('$DATA/expanded_*.parquet')):
 train)
     # every run on the same GPU at once: tau does not depend on the GPU's load (the speed stage
     # measures speed alone); the same steps, data order and anchors for every row
-    STEPS=${STEPS:-800}
+    STEPS=${STEPS:-700}
     mkdir -p "$ARG" "$WORK/report_train"
     pids=()
     run() {  # NAME RECIPE SEED CUT IDS
         timeout "${RUN_LIMIT_S:-540}" "${R[@]}" --out "$WORK/runs/$1" --recipes "$2" --seeds "$3" \
             --label "$2 [$4, $5]" --set tokenize.cut_replies=$4 --set tokenize.reply_ids=$5 \
-            --set train.max_steps=$STEPS --set evaluate.target_step=static \
+            --set train.max_steps=$STEPS --set train.eval_every=100 --set evaluate.target_step=static \
             --set evaluate.num_prompts=${EVAL_PROMPTS:-24} --methods dflash > "$WORK/report_train/$1.log" 2>&1 &
         pids+=($!)
     }
-    run default dflash2 0 cut_loop generated
-    run text dflash2 0 cut_loop text
-    run drop dflash2 0 drop generated
-    run mask_end dflash2 0 mask_end generated
-    run dflash_kl dflash_kl 0 cut_loop generated
-    run dflash_ce dflash_ce 0 cut_loop generated
+    for r in "${RUNS[@]}"; do run $r; done
     for p in "${pids[@]}"; do wait "$p" || echo "a run failed or was stopped: $p"; done
     for d in "$WORK"/runs/*/; do
         cp "$d"/runs/*/metrics.csv "$WORK/report_train/$(basename "$d")_metrics.csv" 2>/dev/null || true
@@ -94,23 +94,34 @@ train)
     report "$WORK/report_train" "$ARG"
     ;;
 speed)
-    # the default recipe's drafter alone on the GPU: compiled AR, every eval set; then its peers
+    # each recipe's drafter alone on the GPU: compiled AR beside it on every eval set; then the peers
     mkdir -p "$ARG" "$WORK/report_speed"
     python3 benchmarks/ar_floor.py --target "$TARGET" --out "$WORK/report_speed/ar_floor.json" || echo "ar_floor failed"
-    S=("${R[@]}" --recipes dflash2 --seeds 0 --label "dflash2 [cut_loop, generated]" --set tokenize.cut_replies=cut_loop
-       --set tokenize.reply_ids=generated --set train.max_steps=${STEPS:-800} --set evaluate.target_step=compiled)
-    cp -r "$WORK/runs/default" "$WORK/speed"  # the trained run, evaluated again alone
-    rm -f "$WORK/speed/runs/dflash2_s0/"*.summary.json
-    "${S[@]}" --out "$WORK/speed" --set evaluate.num_prompts=${EVAL_PROMPTS:-64} --methods dflash,ar
-    cp "$WORK/speed/runs.csv" "$WORK/speed/summary.md" "$WORK/speed/recipes.png" "$WORK/report_speed/"
-    cp "$WORK/speed/runs/dflash2_s0/"*.summary.json "$WORK/report_speed/"
+    done_runs=()
+    for r in "${RUNS[@]:0:${SPEED_RUNS:-2}}"; do
+        set -- $r
+        [ -d "$WORK/runs/$1/runs/${2}_s$3/drafter" ] || continue
+        rm -rf "$WORK/speed/$1" && mkdir -p "$WORK/speed" && cp -r "$WORK/runs/$1" "$WORK/speed/$1"
+        rm -f "$WORK/speed/$1/runs/${2}_s$3/"*.summary.json
+        "${R[@]}" --out "$WORK/speed/$1" --recipes "$2" --seeds "$3" --label "$2 [$4, $5]" \
+            --set tokenize.cut_replies=$4 --set tokenize.reply_ids=$5 --set train.max_steps=${STEPS:-700} \
+            --set evaluate.target_step=compiled --set evaluate.num_prompts=${EVAL_PROMPTS:-32} --methods dflash,ar \
+            > "$WORK/report_speed/$1.log" 2>&1 && done_runs+=("$WORK/speed/$1") || echo "speed of $1 failed"
+    done
+    [ ${#done_runs[@]} -eq 0 ] || python3 benchmarks/recipes.py --out "$WORK/report_speed" --combine "${done_runs[@]}"
     # the peers (HF generate, prompt lookup: eager, ~10x slower per token) on fewer prompts
-    cp -r "$WORK/runs/default" "$WORK/peers"
-    rm -f "$WORK/peers/runs/dflash2_s0/"*.summary.json
-    "${S[@]}" --out "$WORK/peers" --set evaluate.num_prompts=${PEER_PROMPTS:-8} \
-        --methods dflash,ar,hf_generate,prompt_lookup || echo "peers failed"
+    set -- ${RUNS[0]}
+    rm -rf "$WORK/peers" && cp -r "$WORK/runs/$1" "$WORK/peers" && rm -f "$WORK/peers/runs/${2}_s$3/"*.summary.json
+    "${R[@]}" --out "$WORK/peers" --recipes "$2" --seeds "$3" --label "$2 [$4, $5]" --set tokenize.cut_replies=$4 \
+        --set tokenize.reply_ids=$5 --set train.max_steps=${STEPS:-700} --set evaluate.target_step=compiled \
+        --set evaluate.num_prompts=${PEER_PROMPTS:-4} --methods dflash,ar,hf_generate,prompt_lookup \
+        > "$WORK/report_speed/peers.log" 2>&1 || echo "peers failed"
     mkdir -p "$WORK/report_speed/peers"
-    cp "$WORK/peers/runs.csv" "$WORK/peers/runs/dflash2_s0/"*.summary.json "$WORK/report_speed/peers/" || true
+    cp "$WORK/peers/runs.csv" "$WORK/peers/runs/${2}_s$3/"*.summary.json "$WORK/report_speed/peers/" || true
+    for d in "${done_runs[@]}"; do
+        mkdir -p "$WORK/report_speed/$(basename "$d")"
+        cp "$d"/runs/*/*.summary.json "$WORK/report_speed/$(basename "$d")/" || true
+    done
     report "$WORK/report_speed" "$ARG"
     ;;
 *)
