@@ -94,6 +94,11 @@ def test_a_fine_tune_swapped_into_the_target_directory_is_another_target(tmp_pat
     assert target_fingerprint(str(d)) != before
     _big_target(tmp_path, 0)
     assert target_fingerprint(str(d)) == before  # the same content is the same target
+    for name in ("README.md", ".snakemake_timestamp", "LICENSE"):  # no tokens change
+        (d / name).write_text("edited")
+    assert target_fingerprint(str(d)) == before
+    (d / "tokenizer_config.json").write_text("{}")
+    assert target_fingerprint(str(d)) != before
 
 
 def test_big_files_are_read_once_per_version(tmp_path, monkeypatch):

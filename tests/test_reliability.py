@@ -204,6 +204,38 @@ def test_a_reworded_log_message_in_the_training_code_resumes_a_killed_run(mini_r
     assert max_diff(weights(work), weights(ref)) <= 1e-6
 
 
+# -- the target's content decides what reruns -----------------------------------------------------
+
+READ_THE_TARGET = {"expand_shard", "merge_expanded", "tokenize", "ar_draft", "warm_slot", "train", "export", "evaluate",
+                   "tables", "plots", "all"}
+
+
+def test_a_target_overwritten_in_place_replans_expansion_onwards_and_a_touch_nothing(mini_copy):
+    """Snakemake judges a directory by its own mtime, which a file overwritten inside it leaves alone;
+    the rules read the target through its content fingerprint. Both ways to give a target: the mini
+    config's tiny target (its rule writes the fingerprint) and the same directory as target.path."""
+    work, cfg = mini_copy
+    c = mini_config()
+    c["target"]["path"] = "results/target/model"  # the same directory, now as a user's target
+    given = write_config(work / "given.yaml", c)
+    model = work / "results/target/model"
+    weights = model / "model.safetensors"
+    original, dir_mtime = weights.read_bytes(), model.stat().st_mtime_ns
+
+    os.utime(weights)  # the same content, a new mtime
+    assert planned_rules(work, "--configfile", str(given)) == {}
+
+    tuned = bytearray(original)
+    tuned[-64:] = bytes(255 - b for b in tuned[-64:])  # a fine-tune: the same name and size, other bytes
+    weights.write_bytes(bytes(tuned))
+    assert model.stat().st_mtime_ns == dir_mtime
+    assert set(planned_rules(work, "--configfile", str(cfg))) == READ_THE_TARGET  # not tiny_target, not prompts
+    assert set(planned_rules(work, "--configfile", str(given))) == READ_THE_TARGET
+
+    weights.write_bytes(original)  # copied back
+    assert planned_rules(work, "--configfile", str(cfg)) == {}
+
+
 # -- a finished run is never trained again unless its identity changed ---------------------------------
 
 TRAIN_OUTPUTS = ("results/train/summary.json", "results/train/metrics.csv", "results/train/final.safetensors")

@@ -37,6 +37,11 @@ pipeline = Pipeline(config, repo=REPO)
 paths = pipeline.paths
 # the jobs' cache of big files' digests (a target's weights are read once per file version)
 share_cache(config["results"])
+# the rules read the target through its content fingerprint, written now when the content changed
+try:
+    pipeline.note_target_content()
+except UserError as err:
+    raise SystemExit(f"ERROR: {err}")
 
 _gpu_budget = workflow.global_resources.get("gpu")
 _problem = pipeline.gpu_problem(getattr(_gpu_budget, "value", _gpu_budget))
