@@ -73,6 +73,9 @@ class Paths:
     def prompts(self, dataset: str = "{dataset}") -> str:
         return f"{self.results}/prompts/{dataset}.parquet"
 
+    def prompts_stats(self, dataset: str = "{dataset}") -> str:
+        return f"{self.results}/prompts/{dataset}.stats.json"
+
     def expanded_shard(self, dataset: str = "{dataset}", shard="{shard}") -> str:
         return f"{self.results}/expanded/{dataset}/shard{shard}.parquet"
 

@@ -4,7 +4,8 @@ rule prompts:
         data=pipeline.dataset_file,
         code=pipeline.lib_code("prompts.py"),
     output:
-        paths.prompts(),
+        prompts=paths.prompts(),
+        stats=paths.prompts_stats(),
     log:
         paths.log("prompts", "{dataset}"),
     wildcard_constraints:
