@@ -10,7 +10,7 @@ REPO = Path(workflow.basedir)
 sys.path.insert(0, str(REPO / "workflow"))
 
 from dflashpipe.checkout import pin_code
-from dflashpipe.config import prepare_config
+from dflashpipe.config import DATASET_NAME, prepare_config
 from dflashpipe.errors import UserError
 from dflashpipe.filedigest import share_cache
 from dflashpipe.wiring import Pipeline

@@ -9,7 +9,7 @@ rule prompts:
     log:
         paths.log("prompts", "{dataset}"),
     wildcard_constraints:
-        dataset="[A-Za-z0-9_.-]+",
+        dataset=DATASET_NAME,
     conda:
         "../../envs/light.yaml"
     threads: config["threads"]
