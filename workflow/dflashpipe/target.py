@@ -38,6 +38,23 @@ def load_tokenizer(path: str, field: str = "target.path"):
     return tok
 
 
+def prompt_text(tokenizer, turns, chat_template_kwargs: dict | None, where: str) -> str:
+    """A prompt as the target's chat template renders it, ready for the reply (``add_generation_prompt``).
+
+    A template that refuses the turns (Mistral-style strict user/assistant alternation given a ShareGPT
+    ``system`` or ``tool`` turn) is one line naming ``where`` (the dataset file and row) and what to do."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template([dict(t) for t in turns], tokenize=False, add_generation_prompt=True,
+                                             **(chat_template_kwargs or {}))
+    except TemplateError as err:
+        roles = ", ".join(str(t["role"]) for t in turns)
+        raise UserError(f"{where}: the target's chat template refuses this conversation (roles {roles}: {err}); "
+                        "drop or merge the turns it does not take in the dataset, or give the target a chat template "
+                        "that accepts them") from None
+
+
 def load_target(path: str, device: str = "cpu", dtype=None, field: str = "target.path"):
     """Load (model, tokenizer) for inference; the model is in eval mode with grads off."""
     import torch

@@ -109,9 +109,11 @@ def _peak_memory(device: torch.device) -> dict:
     return {"peak_memory_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "peak_memory_kind": "cpu_process_maxrss"}
 
 
-def encode_prompt(tokenizer, turns, chat_template_kwargs: dict | None = None) -> list[int]:
+def encode_prompt(tokenizer, turns, chat_template_kwargs: dict | None = None, where: str = "a prompt") -> list[int]:
     """The target's chat template with ``add_generation_prompt=True`` (as in expand)."""
-    text = tokenizer.apply_chat_template([dict(t) for t in turns], tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {}))
+    from dflashpipe.target import prompt_text
+
+    text = prompt_text(tokenizer, turns, chat_template_kwargs, where)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -313,7 +315,7 @@ def _read_prompts(prompts_parquet, tok, target, block_size: int, s: EvalSettings
     for i, turns in enumerate(df["prompt"]):
         if s.num_prompts is not None and len(keep) >= int(s.num_prompts):
             break
-        ids_ = encode_prompt(tok, turns, s.chat_template_kwargs)
+        ids_ = encode_prompt(tok, turns, s.chat_template_kwargs, f"{prompts_parquet} row id {df['id'].iloc[i]!r}")
         reason = screen_prompt(turns, len(ids_), context, reserve)
         if reason:
             skipped[reason] += 1
