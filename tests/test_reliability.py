@@ -117,7 +117,7 @@ def test_an_edit_of_the_training_code_retrains_from_step_one(mini_run, mini_copy
     figures = ["loss", "acc", "grad_norm", "heldout_loss", "heldout_acc", "heldout_sim_tau"]
     pd.testing.assert_frame_equal(metrics(work)[figures], metrics(ref)[figures])
     ev, ev_ref = (pd.read_csv(w / "results/tables/eval.csv") for w in (work, ref))
-    model_figures = ["tau_mean", "tau_pooled", "tau_authors_pooled", "simulated_tau", "tokens_per_target_forward",
+    model_figures = ["tau_mean", "tau_pooled", "tau_uncut_pooled", "simulated_tau", "tokens_per_target_forward",
                      "decode_tokens", "matches_ar"]  # not the times
     pd.testing.assert_frame_equal(ev[["dataset", "method", *model_figures]], ev_ref[["dataset", "method", *model_figures]])
 
