@@ -92,3 +92,41 @@ def test_example_configs_are_valid():
     bad = _merge(base, {"train": {"compile": "everything"}})
     with pytest.raises(UserError, match=r"train.compile: 'everything' is not one of"):
         check(bad)
+
+
+def test_a_dataset_name_that_cannot_name_a_file_is_refused_in_one_line():
+    cfg = mini_config()
+    cfg["datasets"]["openai/gsm8k"] = cfg["datasets"].pop("math")
+    with pytest.raises(UserError) as e:
+        check(cfg)
+    assert str(e.value) == ("my.yaml: datasets.openai/gsm8k: a dataset name holds only letters, digits, '_', '.' and "
+                            "'-' (it names the files results/prompts/<name>.parquet, ...); rename it, e.g. 'openai_gsm8k'")
+
+
+def test_drafter_keys_that_do_not_fit_the_target_are_refused_before_anything_runs(tmp_path):
+    """Tapped layers past the target's depth, or DFlash 2 convolution groups that do not divide its hidden
+    size, are refused by the checks the workflow runs before planning (python -m dflashpipe.config runs
+    the same): a real target's sizes come from its config.json, the tiny default's from its settings."""
+    import subprocess
+    import sys
+
+    from dflashpipe.config import prepare_config
+
+    mine = tmp_path / "my.yaml"
+    mine.write_text(yaml.safe_dump({"drafter": {"target_layer_ids": [1, 4]}}))  # the shipped target has 4 layers
+    res = subprocess.run([sys.executable, "-m", "dflashpipe.config", str(mine)], capture_output=True, text=True, cwd=tmp_path)
+    assert res.returncode == 1 and res.stderr.strip() == (
+        f"ERROR: {mine}: drafter.target_layer_ids: [4] are not layers of the target, which has 4 (0..3; "
+        f"{REPO}/resources/tiny_target/config.json); use ids in 0..3, or null to spread the taps over it")
+    mine.write_text(yaml.safe_dump({"drafter": {"target_layer_ids": [0, 3]}}))
+    assert subprocess.run([sys.executable, "-m", "dflashpipe.config", str(mine)], capture_output=True, cwd=tmp_path).returncode == 0
+
+    cfg = mini_config()  # the tiny default: hidden size 32
+    cfg["drafter"]["conv_group_size"] = 12
+    with pytest.raises(UserError) as e:
+        prepare_config(cfg, "my.yaml")
+    assert str(e.value) == ("my.yaml: drafter.conv_group_size: 12 does not divide the target's hidden size 32 "
+                            "(target.tiny.hidden_size); use a divisor of it, e.g. 8")
+    cfg = mini_config()
+    cfg["drafter"].update(arch="dflash", conv_group_size=12)  # no convolutions in the paper's drafter
+    prepare_config(cfg, "my.yaml")

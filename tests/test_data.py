@@ -31,7 +31,7 @@ def test_prompt_column_mapping_parquet(tmp_path):
     f = tmp_path / "d.parquet"
     pd.DataFrame({"question": ["q1", "q2"], "answer": ["a1", "a2"]}).to_parquet(f)
     spec = {"path": str(f), "prompt_column": "question", "response_column": "answer", "system_prompt": "be brief"}
-    df = normalize(load_table(spec, "d"), spec, "d")
+    df, _ = normalize(load_table(spec, "d"), spec, "d")
     assert df["prompt"][1] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q2"}]
     assert df["reference"][1] == "a2"
     assert df["id"][0] == "d-0"
@@ -59,11 +59,64 @@ def test_empty_file(tmp_path):
         load_table({"path": str(f)}, "d")
 
 
-def test_row_without_user_turn(tmp_path):
-    f = write_jsonl(tmp_path / "d.jsonl", [{"messages": chat("q", "a")}, {"messages": [{"role": "assistant", "content": "hi"}]}])
-    spec = {"path": str(f), "messages_column": "messages"}
-    with pytest.raises(UserError, match=r"d.jsonl row 1 \(dataset d\): the conversation has no user turn"):
-        normalize(load_table(spec, "d"), spec, "d")
+def test_rows_without_a_prompt_are_skipped_and_counted_in_the_stats_and_log(tmp_path):
+    """Real ShareGPT dumps hold `conversations: []` and gpt-only rows; an image part has no text prompt."""
+    rows = [{"id": "a", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "r"}]},
+            {"id": "b", "conversations": []},
+            {"id": "c", "conversations": [{"from": "gpt", "value": "hello, how can I help?"}]},
+            {"id": "d", "conversations": [{"from": "human", "value": "q2"}]},
+            {"id": "e", "conversations": [{"from": "system", "value": "be brief"}]}]
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    logged = []
+    df = prepare_prompts({"path": str(f), "limit": 2}, "d", str(tmp_path / "d.parquet"), stats_path=str(tmp_path / "s.json"),
+                         log=logged.append)
+    assert list(df["id"]) == ["a", "d"]  # `limit` counts the rows kept
+    stats = json.loads((tmp_path / "s.json").read_text())
+    assert stats == {"prompts": 2, "with_reference": 1, "skipped_total": 2, "first_skipped_row": 1,
+                     "skipped_rows": {"empty_conversation": 1, "no_user_turn": 1, "non_text_content": 0}}
+    assert logged == ["2 prompts (1 with a reference reply); skipped 2 rows without a prompt (1 empty_conversation, "
+                      "1 no_user_turn; the first: row 1)"]
+    picture = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                            {"type": "image_url", "image_url": {"url": "x.png"}}]}]
+    f = write_jsonl(tmp_path / "p.jsonl", [{"messages": picture}, *[{"messages": r["conversations"]} for r in rows[:1]]])
+    df, skipped = normalize(load_table({"path": str(f)}, "p"), {"path": str(f)}, "p")
+    assert len(df) == 1 and skipped["skipped_rows"]["non_text_content"] == 1
+    f = write_jsonl(tmp_path / "none.jsonl", rows[1:3])
+    with pytest.raises(UserError, match=r"none.jsonl \(dataset n\): no row holds a conversation with a user turn"):
+        normalize(load_table({"path": str(f)}, "n"), {"path": str(f)}, "n")
+
+
+def test_openai_turns_with_null_content_or_content_parts_become_their_text(tmp_path):
+    tool_call = {"role": "assistant", "content": None,
+                 "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": "{\"a\": 2}"}}]}
+    parts = {"role": "user", "content": [{"type": "text", "text": "Now add 3."}, {"type": "text", "text": "Briefly."}]}
+    turns = [{"role": "user", "content": "Add 2."}, tool_call, {"role": "tool", "content": "2"}, parts]
+    f = write_jsonl(tmp_path / "d.jsonl", [{"messages": turns}])
+    df, _ = normalize(load_table({"path": str(f)}, "d"), {"path": str(f)}, "d")
+    assert [t["content"] for t in df["prompt"][0]] == ["Add 2.", "", "2", "Now add 3.\nBriefly."]
+    f = tmp_path / "d.parquet"  # arrow: a null content beside text ones, and a tool call's keys on every turn
+    pd.DataFrame({"messages": [turns[:3] + [{"role": "user", "content": "Now add 3."}]]}).to_parquet(f)
+    df, _ = normalize(load_table({"path": str(f)}, "d"), {"path": str(f)}, "d")
+    assert [t["content"] for t in df["prompt"][0]] == ["Add 2.", "", "2", "Now add 3."]
+    f = tmp_path / "q.parquet"
+    pd.DataFrame({"question": ["q1", None], "answer": [None, "a2"]}).to_parquet(f)
+    spec = {"path": str(f), "prompt_column": "question", "response_column": "answer"}
+    df, _ = normalize(load_table(spec, "d"), spec, "d")
+    assert df["prompt"][1] == [{"role": "user", "content": ""}]  # empty: the expansion skips and counts it
+    assert pd.isna(df["reference"][0]) and df["reference"][1] == "a2"
+
+
+def test_a_sharegpt_rows_top_level_system_field_is_its_system_turn(tmp_path):
+    """The LLaMA-Factory / glaive layout; it comes before the dataset's system_prompt, never beside a system turn."""
+    rows = [{"system": "You are a calculator.", "conversations": [{"from": "human", "value": "2+2"}, {"from": "gpt", "value": "4"}]},
+            {"system": "", "conversations": [{"from": "human", "value": "hi"}]},
+            {"system": "unused", "conversations": [{"from": "system", "value": "own"}, {"from": "human", "value": "hi"}]}]
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    spec = {"path": str(f), "system_prompt": "the default"}
+    df, _ = normalize(load_table(spec, "d"), spec, "d")
+    assert df["prompt"][0] == [{"role": "system", "content": "You are a calculator."}, {"role": "user", "content": "2+2"}]
+    assert df["prompt"][1][0] == {"role": "system", "content": "the default"}
+    assert df["prompt"][2][0] == {"role": "system", "content": "own"} and len(df["prompt"][2]) == 2
 
 
 def test_wrong_column_is_named(tmp_path):
@@ -106,7 +159,7 @@ def test_chat_format_detected_per_row_and_column(tmp_path):
             {"conversations": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}]
     f = write_jsonl(tmp_path / "d.jsonl", rows)
     spec = {"path": str(f)}
-    df = normalize(load_table(spec, "d"), spec, "d")
+    df, _ = normalize(load_table(spec, "d"), spec, "d")
     assert df["prompt"][0] == [{"role": "user", "content": "hi"}] and df["reference"][0] == "hello"
     assert df["prompt"][1] == [{"role": "user", "content": "2+2?"}] and df["reference"][1] == "4"
 

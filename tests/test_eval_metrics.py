@@ -38,7 +38,7 @@ def test_account_steps_eos_cut():
     assert acc.committed_raw == [4, 2, 4]
     assert acc.stop_reason == "eos"
     assert tau(acc.committed) == pytest.approx(8 / 3)  # only tokens that reach the output
-    assert tau(acc.committed_raw) == pytest.approx(10 / 3)  # authors' convention overstates
+    assert tau(acc.committed_raw) == pytest.approx(10 / 3)  # counted before the cut: overstates
     assert 1 + sum(acc.committed) == len(acc.output)
 
 
@@ -85,5 +85,20 @@ def test_speed():
 def test_decode_result_conventions():
     r = DecodeResult(tokens=[5, 1, 2, 3, 4, 6, 7, 8, EOS], committed=[4, 2, 2], committed_raw=[4, 2, 4], accepted=[3, 1, 3], decode_s=2.0)
     assert r.verify_steps == 3 and r.new_tokens == 9 and r.decode_tokens == 8
-    assert r.tau == pytest.approx(8 / 3) and r.tau_authors == pytest.approx(10 / 3)
+    assert r.tau == pytest.approx(8 / 3) and r.tau_uncut == pytest.approx(10 / 3)
     assert r.tokens_per_second == pytest.approx(4.0)
+
+
+def test_the_uncut_tau_columns_are_named_by_what_they_count_and_old_summaries_still_make_tables(tmp_path):
+    """tau_uncut_* count a + 1 for every verify step before the cut (the authors' benchmark before
+    z-lab/dflash 10129599; since then it counts like tau_mean): not "the authors'" figure. A summary
+    written under the old names (tau_authors_*) still gives the table's columns."""
+    import json
+
+    from dflashpipe.tables import EVAL_COLUMNS, eval_tables
+
+    assert {"tau_uncut_mean", "tau_uncut_pooled"} <= set(EVAL_COLUMNS) and not any("authors" in c for c in EVAL_COLUMNS)
+    old = {"methods": {"dflash": {"tau_mean": 2.5, "tau_pooled": 2.6, "tau_authors_mean": 2.9, "tau_authors_pooled": 3.0}}}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    rows, _, _ = eval_tables({"math": str(tmp_path / "old.json")})
+    assert (rows["tau_uncut_mean"][0], rows["tau_uncut_pooled"][0], rows["tau_pooled"][0]) == (2.9, 3.0, 2.6)

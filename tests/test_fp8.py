@@ -62,6 +62,26 @@ def test_the_tiny_targets_features_in_fp8_stay_close_and_its_greedy_tokens_stay(
     assert same >= 0.9
 
 
+def test_each_original_linear_is_freed_as_soon_as_its_fp8_replacement_is_in():
+    """The load peak is the model plus ONE weight's conversion, not plus every FP8 weight: each original
+    linear dies (a weakref callback) while the model holds as many FP8 linears as have been made."""
+    import weakref
+
+    target, _ = load_target(str(TINY), "cpu", torch.float32)
+    originals = [m for m in target.model.layers.modules() if type(m) is nn.Linear]
+    made_when_freed = []
+
+    def freed():
+        made_when_freed.append(sum(isinstance(m, Fp8Linear) for m in target.model.layers.modules()))
+
+    for m in originals:
+        weakref.finalize(m, freed)
+    n = len(originals)
+    del originals, m
+    quantize_decoder_linears(target)
+    assert made_when_freed == list(range(1, n + 1)) and n == 28
+
+
 def test_training_with_an_fp8_target_quantizes_it_and_learns(micro_target, micro_tokenized, tmp_path):
     cfg = TrainConfig(**{**BASE, "loss": "kl"}, epochs=2.0, checkpoint_every=100, target_fp8=True)
     target, *_ = build(cfg, str(micro_target), torch.device("cpu"), 1)

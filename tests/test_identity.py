@@ -94,6 +94,11 @@ def test_a_fine_tune_swapped_into_the_target_directory_is_another_target(tmp_pat
     assert target_fingerprint(str(d)) != before
     _big_target(tmp_path, 0)
     assert target_fingerprint(str(d)) == before  # the same content is the same target
+    for name in ("README.md", ".snakemake_timestamp", "LICENSE"):  # no tokens change
+        (d / name).write_text("edited")
+    assert target_fingerprint(str(d)) == before
+    (d / "tokenizer_config.json").write_text("{}")
+    assert target_fingerprint(str(d)) != before
 
 
 def test_big_files_are_read_once_per_version(tmp_path, monkeypatch):
@@ -141,3 +146,26 @@ def test_run_identity_holds_the_library_versions_and_the_target_loader(micro_tar
     monkeypatch.undo()
     monkeypatch.setattr(transformers, "__version__", "9.9.9")
     assert checkpoint_dir(str(tmp_path / "run"), run_identity(cfg, str(tokenized), str(micro_target))) != run
+
+
+def test_a_finished_run_evaluates_again_when_the_held_out_code_changed(tmp_path):
+    """republish writes a finished run's outputs again only while the held-out evaluation code (not part of
+    the identity, but of the summary's figures) is the one that made them; else the run resumes at its
+    final checkpoint, trains no step and evaluates again (through Snakemake: test_reliability)."""
+    import json
+
+    from dflashpipe.drafter.checkpoint import COMPLETE, heldout_code, republish, save_checkpoint
+
+    identity, ckpt, out = {"run": 1}, tmp_path / "ckpt", tmp_path / "out"
+    ckpt.mkdir()
+    save_checkpoint(ckpt, 6, {"w": torch.ones(2)}, {}, identity, {})
+    (ckpt / "metrics.csv").write_text("step\n6\n")
+    done = {"summary": {"steps": 6}, "final_metadata": {"step": "6"}, "heldout_code": heldout_code()}
+    (ckpt / COMPLETE).write_text(json.dumps({**done, "heldout_code": "another"}))
+    logged = []
+    outputs = [str(out / n) for n in ("metrics.csv", "summary.json", "final.safetensors")]
+    assert republish(ckpt, identity, *outputs, log=logged.append) is None and not out.exists()
+    assert "the held-out evaluation code changed since: it resumes at its final checkpoint" in logged[0]
+    (ckpt / COMPLETE).write_text(json.dumps(done))
+    assert republish(ckpt, identity, *outputs, log=logged.append) == {"steps": 6}
+    assert json.loads((out / "summary.json").read_text()) == {"steps": 6} and (out / "metrics.csv").read_text() == "step\n6\n"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -71,6 +72,11 @@ def error_lines(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if ln.startswith("ERROR:")]
 
 
+def forget_finished_runs(work: Path) -> None:
+    """What a user does to train a finished run again (the train log names the directory)."""
+    shutil.rmtree(work / "results/train/checkpoints")
+
+
 def processes_mentioning(text: str) -> list[int]:
     pids = []
     for p in Path("/proc").glob("[0-9]*"):
@@ -101,16 +107,17 @@ def test_an_edit_of_the_training_code_retrains_from_step_one(mini_run, mini_copy
     assert max_diff(weights(work), weights(ref)) > 1e-3  # really retrained, with the edited code
     assert s["checkpoint_dir"] != summary(ref)["checkpoint_dir"]  # the run of the old code stays apart
 
-    # --forcerun of a finished run trains again from scratch and, deterministic on one machine, gives
-    # the same drafter bit for bit, the same metrics, and then the same evaluation figures
+    # the finished run of the original code, deleted (what the train log says to do to train it again),
+    # trains again from scratch and, deterministic on one machine, gives the same drafter bit for bit, the
+    # same metrics, and then the same evaluation figures
+    forget_finished_runs(work)
     run_ok(work, cfg, forcerun="train")
-    assert "holds a finished run of the same code and settings; this job trains again from scratch" in rank_log(work)
-    assert summary(work)["resumed_from_step"] is None
+    assert summary(work)["resumed_from_step"] is None and summary(work)["checkpoint_dir"] == summary(ref)["checkpoint_dir"]
     assert max_diff(weights(work), weights(ref)) == 0.0
     figures = ["loss", "acc", "grad_norm", "heldout_loss", "heldout_acc", "heldout_sim_tau"]
     pd.testing.assert_frame_equal(metrics(work)[figures], metrics(ref)[figures])
     ev, ev_ref = (pd.read_csv(w / "results/tables/eval.csv") for w in (work, ref))
-    model_figures = ["tau_mean", "tau_pooled", "tau_authors_pooled", "simulated_tau", "tokens_per_target_forward",
+    model_figures = ["tau_mean", "tau_pooled", "tau_uncut_pooled", "simulated_tau", "tokens_per_target_forward",
                      "decode_tokens", "matches_ar"]  # not the times
     pd.testing.assert_frame_equal(ev[["dataset", "method", *model_figures]], ev_ref[["dataset", "method", *model_figures]])
 
@@ -120,6 +127,7 @@ def test_sigkill_of_the_whole_run_then_the_plain_rerun_resumes_with_every_step(m
     work, cfg = mini_copy
     marker = tmp_path / "parked"
     env = faults({"at": "train.step", "step": 5, "rank": 0, "do": "park"}, marker=marker)
+    forget_finished_runs(work)
     proc = subprocess.Popen(snakemake_cmd(work, "--cores", "2", "--forcerun", "train", "--configfile", str(cfg)),
                             cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300
@@ -151,6 +159,7 @@ def test_a_killed_rank_and_a_failed_export_recover_on_a_plain_rerun(mini_run, mi
     # in place, consistent with its final weights, so the drafter alone would be up to date)
     drafter = ("results/train/final.safetensors", "results/drafter")
 
+    forget_finished_runs(work)
     res = run(work, cfg, *drafter, forcerun="train", env=faults({"at": "train.step", "step": 3, "rank": 1, "do": "kill"}))
     assert res.returncode != 0
     (line,) = {ln.split("  [")[0] for ln in error_lines(res.stderr)}
@@ -160,6 +169,7 @@ def test_a_killed_rank_and_a_failed_export_recover_on_a_plain_rerun(mini_run, mi
     assert "resumed from step 2" in rank_log(work)
     assert max_diff(weights(work), weights(ref)) <= 1e-6
 
+    forget_finished_runs(work)
     res = run(work, cfg, *drafter, forcerun="train", env=faults({"at": "train.export", "rank": 0, "do": "raise"}))
     assert res.returncode != 0
     assert any("cannot write the run's outputs ([Errno 28] No space left on device" in ln for ln in error_lines(res.stderr))
@@ -176,6 +186,7 @@ def test_a_reworded_log_message_in_the_training_code_resumes_a_killed_run(mini_r
     ref, _ = mini_run
     work, cfg = mini_copy
     targets = ("results/train/final.safetensors", "results/drafter")
+    forget_finished_runs(work)
     res = run(work, cfg, *targets, forcerun="train", env=faults({"at": "train.step", "step": 3, "rank": 1, "do": "kill"}))
     assert res.returncode != 0
     train_py = REPO / "workflow/dflashpipe/drafter/train.py"
@@ -193,6 +204,89 @@ def test_a_reworded_log_message_in_the_training_code_resumes_a_killed_run(mini_r
     assert max_diff(weights(work), weights(ref)) <= 1e-6
 
 
+# -- the target's content decides what reruns -----------------------------------------------------
+
+READ_THE_TARGET = {"expand_shard", "merge_expanded", "tokenize", "ar_draft", "warm_slot", "train", "export", "evaluate",
+                   "tables", "plots", "all"}
+
+
+def test_a_target_overwritten_in_place_replans_expansion_onwards_and_a_touch_nothing(mini_copy):
+    """Snakemake judges a directory by its own mtime, which a file overwritten inside it leaves alone;
+    the rules read the target through its content fingerprint. Both ways to give a target: the mini
+    config's tiny target (its rule writes the fingerprint) and the same directory as target.path."""
+    work, cfg = mini_copy
+    c = mini_config()
+    c["target"]["path"] = "results/target/model"  # the same directory, now as a user's target
+    given = write_config(work / "given.yaml", c)
+    model = work / "results/target/model"
+    weights = model / "model.safetensors"
+    original, dir_mtime = weights.read_bytes(), model.stat().st_mtime_ns
+
+    os.utime(weights)  # the same content, a new mtime
+    assert planned_rules(work, "--configfile", str(given)) == {}
+
+    tuned = bytearray(original)
+    tuned[-64:] = bytes(255 - b for b in tuned[-64:])  # a fine-tune: the same name and size, other bytes
+    weights.write_bytes(bytes(tuned))
+    assert model.stat().st_mtime_ns == dir_mtime
+    assert set(planned_rules(work, "--configfile", str(cfg))) == READ_THE_TARGET  # not tiny_target, not prompts
+    assert set(planned_rules(work, "--configfile", str(given))) == READ_THE_TARGET
+
+    weights.write_bytes(original)  # copied back
+    assert planned_rules(work, "--configfile", str(cfg)) == {}
+
+
+# -- a finished run is never trained again unless its identity changed ---------------------------------
+
+TRAIN_OUTPUTS = ("results/train/summary.json", "results/train/metrics.csv", "results/train/final.safetensors")
+
+
+def finished_run(work: Path) -> dict:
+    """The finished run as files: its checkpoints by (inode, mtime) (a file deleted or written again
+    differs), the train job's summary and metrics by their bytes, its final weights by tensors and metadata
+    (safetensors writes the metadata's keys in a random order)."""
+    from safetensors import safe_open
+
+    ckpts = {str(f.relative_to(work)): (f.stat().st_ino, f.stat().st_mtime_ns)
+             for f in sorted((work / "results/train/checkpoints").rglob("step*.pt"))}
+    with safe_open(work / TRAIN_OUTPUTS[2], "pt") as f:
+        final = (f.metadata(), {k: f.get_tensor(k).numpy().tobytes() for k in f.keys()})
+    return {"checkpoints": ckpts, "outputs": {f: (work / f).read_bytes() for f in TRAIN_OUTPUTS[:2]}, "final": final}
+
+
+def test_a_finished_run_is_not_trained_again_after_a_comment_edit_or_an_x_compile_key(mini_copy):
+    """A comment appended to drafter/model.py reruns the warm chain (its stamps fingerprint the file) and so
+    `train`; so does train.activation_memory_budget (an x-compile key: no effect on a CPU); `--forcerun
+    train` runs it too. Each time the job finds the finished run of its identity: it writes the same
+    outputs again from the final checkpoint, starts no rank (no training step), and every checkpoint stays
+    as it was."""
+    work, cfg = mini_copy
+    before = finished_run(work)
+    assert len(before["checkpoints"]) == 2
+
+    def trains_no_step(config: Path, **kw) -> None:
+        stamped = [(work / f"results/warm/slot{i}.json").stat().st_mtime_ns for i in (0, 1)]
+        run_ok(work, config, *TRAIN_OUTPUTS, **kw)
+        log = (work / "results/logs/train/train.log").read_text()  # this job's
+        assert "finished (step 6): its outputs are written again from there and no step is trained" in log
+        assert "started 2 rank(s)" not in log and rank_log(work, 0) == rank_log(work, 1) == ""  # no rank, no step
+        assert finished_run(work) == before  # the same outputs; no checkpoint touched
+        if not kw:  # the warm chain reran first
+            assert all((work / f"results/warm/slot{i}.json").stat().st_mtime_ns > stamped[i] for i in (0, 1))
+
+    model_py = REPO / "workflow/dflashpipe/drafter/model.py"
+    original = model_py.read_text()
+    try:
+        model_py.write_text(original + "\n# a comment: the same drafter\n")
+        trains_no_step(cfg)
+    finally:
+        model_py.write_text(original)
+    c = mini_config()
+    c["train"]["activation_memory_budget"] = 0.5
+    trains_no_step(write_config(work / "budget.yaml", c))
+    trains_no_step(cfg, forcerun="train")  # asked for again: the same
+
+
 # -- more GPUs, the same drafter -----------------------------------------------------------
 
 
@@ -201,10 +295,12 @@ def test_a_reworded_log_message_in_the_training_code_resumes_a_killed_run(mini_r
 def test_any_number_of_shards_trains_the_same_drafter(mini_run, mini_copy, shards, cores):
     """K=1 and K=4 against the reference's K=2: same steps, same global batches, same weights.
     Asked for as the drafter alone, the run starts all its ranks in one job; 4 ranks on 1 core
-    run (slowly): they never wait for each other. (A new shard count reruns the warm chain,
-    other shapes per rank, and so training, from step 1: the finished run's stamps changed.)"""
+    run (slowly): they never wait for each other. (A new shard count reruns the warm chain, other
+    shapes per rank, and so the train job, which would write the finished run's outputs again: the
+    shard count is not part of the run identity. Deleted here, the run trains at K.)"""
     ref, _ = mini_run
     work, _ = mini_copy
+    forget_finished_runs(work)
     c = mini_config()
     c["train"]["shards"] = shards
     c["gpu"]["slots"] = max(2, shards)

@@ -206,6 +206,31 @@ def test_fused_projections_share_the_weights_and_leave_the_model_unchanged(model
     torch.testing.assert_close(logits, before[0].float(), atol=1e-6, rtol=1e-6)
 
 
+def test_fused_projections_follow_a_load_state_dict_after_to():
+    """After ``.to()`` the projections are copies, no longer views of the fused matrices; loading other
+    weights then (a library user's fine-tune) must reach the fused matmuls too (before: q/k/v off by up to 1.9 here)."""
+    import torch.nn.functional as F
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflashpipe.decode.layer import fuse_projections
+
+    cfg = AutoConfig.for_model("qwen2", vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # qwen2: q/k/v biases too
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float64).eval()
+    fuse_projections(model)
+    model.to(torch.float32)
+    tuned = {k: v + 0.1 * torch.randn_like(v) for k, v in model.state_dict().items() if "_proj." in k}
+    model.load_state_dict(tuned, strict=False)
+    a, m = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    h = torch.randn(1, 5, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(F.linear(h, a.qkv_weight, a.qkv_bias), torch.cat([a.q_proj(h), a.k_proj(h), a.v_proj(h)], -1))
+        torch.testing.assert_close(F.linear(h, m.gate_up_weight), torch.cat([m.gate_proj(h), m.up_proj(h)], -1))
+    assert a.k_proj.weight.untyped_storage().data_ptr() == a.qkv_weight.data_ptr()  # views again: no second copy
+    torch.testing.assert_close(a.q_proj.weight, tuned["model.layers.0.self_attn.q_proj.weight"])
+
+
 def test_quantised_projections_keep_hf_layers():
     """A target whose projections are not plain floating-point linears (FP8 here) is not written out:
     the static step runs HF's layer modules on it, and nothing is fused."""

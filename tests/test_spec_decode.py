@@ -123,7 +123,7 @@ def _consistent(r: DecodeResult, max_new: int, drafts: int = BS - 1):
     assert all(0 <= a <= drafts for a in r.accepted)
     assert all(c == a + 1 for c, a in zip(r.committed_raw, r.accepted))
     assert all(c <= raw for c, raw in zip(r.committed, r.committed_raw))
-    assert r.tau >= 1 and r.tau_authors >= r.tau
+    assert r.tau >= 1 and r.tau_uncut >= r.tau
     assert r.prefill_s > 0 and r.decode_s > 0
 
 
@@ -151,7 +151,7 @@ def test_unverified_decoding_fails_the_lossless_check(sharp):
     ids = list(PROMPTS)
     b_out = [broken.generate(encode(tok, PROMPTS[i]), 16) for i in ids]
     a_out = [ar.generate(encode(tok, PROMPTS[i]), 16) for i in ids]
-    assert b_out[0].tau_authors == BS  # it "accepts" everything
+    assert b_out[0].tau_uncut == BS  # it "accepts" everything
     with pytest.raises(UserError, match=r"prompt id 'p-add'.*position \d+"):
         check_lossless(ids, b_out, a_out)
     # Tie-aware mode (as evaluate_dataset runs it in bf16) must still catch it: these are no near-ties.
@@ -195,7 +195,7 @@ def test_oracle_drafter_accepts_whole_blocks(sharp, cut):
     assert r.stop_reason == cut
     assert r.committed == want_committed  # every step commits bs, except the cut last one
     assert r.accepted == [BS - 1] * len(want_committed)
-    assert r.tau_authors == BS  # counted before cutting
+    assert r.tau_uncut == BS  # counted before cutting
     assert r.tau == pytest.approx(sum(want_committed) / len(want_committed)) and r.tau < BS
 
 
@@ -315,14 +315,14 @@ def test_evaluate_dataset_writes_samples_and_summary(micro, micro_target, tmp_pa
     df = pd.read_parquet(tmp_path / "out" / "samples.parquet")
     assert sorted(df["method"].unique()) == ["ar", "assisted", "dflash", "hf_generate", "prompt_lookup"]
     assert len(df) == 10 and df["id"].nunique() == 2
-    for col in ("new_tokens", "decode_s", "tokens_per_s", "tau", "tau_authors", "steps", "accept_lengths", "target_forwards"):
+    for col in ("new_tokens", "decode_s", "tokens_per_s", "tau", "tau_uncut", "steps", "accept_lengths", "target_forwards"):
         assert col in df.columns
     assert df["matches_ar"].all()
     on_disk = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
     assert summary["lossless"]["passed"] and summary["lossless"]["exact_matches"] == 2
     dfl = summary["methods"]["dflash"]
-    assert dfl["tau_mean"] >= 1 and dfl["tau_authors_pooled"] >= dfl["tau_pooled"]
+    assert dfl["tau_mean"] >= 1 and dfl["tau_uncut_pooled"] >= dfl["tau_pooled"]
     assert sum(dfl["acceptance_histogram"]) == dfl["target_forwards"] and len(dfl["per_position_acceptance"]) == BS - 1
     for m, s in summary["methods"].items():
         assert s["tokens_per_target_forward"] >= 1 and s["peak_memory_bytes"] > 0 and s["speedup_vs_ar"] > 0, m

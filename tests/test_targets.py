@@ -160,6 +160,40 @@ def test_cut_loop_keeps_a_looping_reply_up_to_its_loop(micro_target, tmp_path):
     assert stats["cut_replies"]["cut_at_their_loop"] == 1 and stats["samples"] == 3
 
 
+# Mistral-style: user and assistant turns alternate, starting with the user; anything else is refused
+STRICT = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+          "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_chat_template_that_refuses_a_conversation_is_one_line_naming_the_row(micro_target, tmp_path):
+    """A ShareGPT file with a system turn, a target whose template only alternates user/assistant: the
+    expansion stops before it loads the model, and the evaluation before it decodes, with one line each."""
+    from dflashpipe.data import prepare_prompts
+    from dflashpipe.evaluate.run import encode_prompt
+    from dflashpipe.expand import ExpandSettings, expand_prompts
+    from dflashpipe.target import load_tokenizer
+
+    target = make_target(tmp_path / "strict", micro_target, "qwen3", template=STRICT, mask="<|mask|>")
+    rows = [{"id": "ok", "conversations": [{"from": "human", "value": "2+2?"}]},
+            {"id": "sys", "conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "3+3?"}]}]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = tmp_path / "chats.parquet"
+    prepare_prompts({"path": str(data)}, "chats", str(prompts))
+    with pytest.raises(UserError) as e:
+        expand_prompts(str(prompts), str(target), ExpandSettings(max_new_tokens=4), str(tmp_path / "out.parquet"),
+                       log=lambda m: None)
+    assert str(e.value) == (f"{prompts} row id 'sys': the target's chat template refuses this conversation (roles "
+                            "system, user: Conversation roles must alternate user/assistant/user/assistant/...); drop or "
+                            "merge the turns it does not take in the dataset, or give the target a chat template that "
+                            "accepts them")
+    with pytest.raises(UserError, match=r"^eval.parquet row id 'sys': the target's chat template refuses"):
+        encode_prompt(load_tokenizer(str(target)), [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
+                      None, "eval.parquet row id 'sys'")
+
+
 def user_config(work: Path, target: Path, **overrides) -> Path:
     """A user's config: their target and ONLY their datasets (the shipped four must not appear)."""
     cfg = {

@@ -369,3 +369,15 @@ def test_the_target_cache_stops_growing_at_its_memory_limit():
     for b in range(3):
         assert cache.outputs(tuple(range(4 * b, 4 * b + 4)), compute(b))[0][0, 0].item() == b
     assert runs == [0, 1, 2, 2]  # read back: the two kept batches; run again: the third
+
+
+def test_the_target_cache_is_off_with_more_than_one_rank_and_says_so():
+    """With K ranks a sample goes to another rank in a later epoch: all ranks held their batch in 60% of the
+    steps at K=2 and 20% at K=4 (simulated on the default run), while every rank cached nearly all samples."""
+    from dflashpipe.drafter.step import resolve_setup, target_cache_off
+
+    cfg = TrainConfig(**BASE, cache_target_features=True)
+    assert resolve_setup(cfg, "cpu", 3, [0], world_size=1).target_cache is not None and not target_cache_off(cfg, 1)
+    assert resolve_setup(cfg, "cpu", 3, [0], world_size=2).target_cache is None
+    assert target_cache_off(cfg, 2).startswith("train.cache_target_features: off with 2 ranks: a sample goes to another")
+    assert target_cache_off(TrainConfig(**BASE), 2) is None  # not asked for: nothing to say

@@ -1,6 +1,7 @@
 """The serial compile-warm chain, stamps and hot-start proof, through real Snakemake runs on CPU slots."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -164,6 +165,7 @@ def test_stale_stamp_makes_the_shard_fail_with_the_reason(mini_copy):
     stamp = json.loads(stamp_path.read_text())
     stamp["torch"] = "2.11.0"
     stamp_path.write_text(json.dumps(stamp))
+    shutil.rmtree(work / "results/train/checkpoints")  # a finished run would only write its outputs again
     res = snakemake(work, "--cores", "2", "--configfile", str(cfg), "--forcerun", "train")
     assert res.returncode != 0
     log = (work / "results/logs/train/rank1.log").read_text()

@@ -16,6 +16,8 @@ def test_stages_produce_outputs(mini_run):
     metrics = json.loads((r / "target/metrics.json").read_text())
     assert metrics["steps"] == 8 and metrics["heldout_loss"] > 0
 
+    prompt_stats = json.loads((r / "prompts/math.stats.json").read_text())  # rows without a prompt: counted there
+    assert prompt_stats["prompts"] == 48 and prompt_stats["skipped_total"] == 0
     exp = pd.read_parquet(r / "expanded/math.parquet")
     assert len(exp) == 48
     assert {"id", "messages", "response", "finish_reason", "temperature", "target", "target_path"} <= set(exp.columns)

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import copy
 import difflib
-import os
 import functools
+import json
+import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -28,6 +30,8 @@ import yaml
 from dflashpipe.errors import UserError
 
 SCHEMA_PATH = Path(__file__).resolve().parents[1] / "schemas" / "config.schema.yaml"
+#: what a dataset's name may hold: it names files (results/prompts/<name>.parquet) and is a Snakemake wildcard
+DATASET_NAME = r"[A-Za-z0-9_.-]+"
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: config paths may be relative to it
 
 
@@ -183,6 +187,10 @@ def _check_references(config: dict, source: str) -> None:
     if not train:
         raise UserError(f"{source}: datasets: no dataset has `use: train`; the drafter needs training data")
     for name, spec in datasets.items():
+        if not re.fullmatch(DATASET_NAME, name):
+            raise UserError(f"{source}: datasets.{name}: a dataset name holds only letters, digits, '_', '.' and '-' "
+                            f"(it names the files results/prompts/<name>.parquet, ...); rename it, e.g. "
+                            f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)!r}")
         if spec.get("messages_column") and spec.get("prompt_column"):
             raise UserError(f"{source}: datasets.{name}: set `messages_column` or `prompt_column`, not both")
     tiny = config["target"]["tiny"]
@@ -216,6 +224,36 @@ def _check_references(config: dict, source: str) -> None:
         raise UserError(f"{source}: drafter.sliding_window must be at least drafter.block_size ({drafter['block_size']})")
     if config["drafter"]["block_size"] * 2 > max(config["tokenize"]["buckets"]):
         raise UserError(f"{source}: tokenize.buckets: the largest bucket must hold at least 2 x drafter.block_size tokens")
+
+
+def _target_shape(config: dict) -> dict:
+    """The target's decoder layers and hidden size, each with where it was read (a real target: its
+    config.json, read here without loading anything; the tiny default: its configured sizes)."""
+    path = config["target"]["path"]
+    if path is None:
+        tiny = config["target"]["tiny"]
+        return {"layers": (tiny["num_layers"], "target.tiny.num_layers"), "hidden": (tiny["hidden_size"], "target.tiny.hidden_size")}
+    file = Path(path) / "config.json"
+    cfg = json.loads(file.read_text())
+    cfg = cfg.get("text_config", cfg)
+    return {"layers": (cfg.get("num_hidden_layers"), file), "hidden": (cfg.get("hidden_size"), file)}
+
+
+def _check_drafter_fits_target(config: dict, source: str) -> None:
+    """What the drafter takes from the target, checked before anything runs (not in the warm job, after
+    the regeneration): the tapped layers exist, and DFlash 2's convolution groups divide the hidden size."""
+    shape, drafter = _target_shape(config), config["drafter"]
+    (layers, layers_from), (hidden, hidden_from) = shape["layers"], shape["hidden"]
+    ids = drafter["target_layer_ids"]
+    bad = [i for i in ids or [] if layers is not None and i >= layers]
+    if bad:
+        raise UserError(f"{source}: drafter.target_layer_ids: {bad} are not layers of the target, which has {layers} "
+                        f"(0..{layers - 1}; {layers_from}); use ids in 0..{layers - 1}, or null to spread the taps over it")
+    group = drafter["conv_group_size"]
+    if drafter["arch"] == "dflash2" and hidden is not None and hidden % group:
+        fits = max(k for k in range(1, group + 1) if hidden % k == 0)
+        raise UserError(f"{source}: drafter.conv_group_size: {group} does not divide the target's hidden size {hidden} "
+                        f"({hidden_from}); use a divisor of it, e.g. {fits}")
 
 
 def load_yaml(path: str) -> dict:
@@ -261,7 +299,8 @@ def prepare_config(config: dict, source: str, user_files=(), cli_config: dict | 
 
     The user's datasets replace the shipped ones (:func:`user_datasets`), the config is
     validated (defaults filled in), and a configured target is checked, including the
-    drafter's MASK token (decided now from its files, not hours later in training).
+    drafter's MASK token (decided now from its files, not hours later in training) and the
+    drafter keys that must fit its shape (:func:`_check_drafter_fits_target`).
     Returns lines worth showing the user.
     """
     from dflashpipe.target import check_target_dir, resolve_mask_token
@@ -277,6 +316,7 @@ def prepare_config(config: dict, source: str, user_files=(), cli_config: dict | 
         mask_id, how = resolve_mask_token(config["target"]["path"], config["drafter"]["mask_token_id"])
         if config["drafter"]["mask_token_id"] is None:
             notes.append(f"drafter.mask_token_id: {mask_id}, {how}")
+    _check_drafter_fits_target(config, source)
     return notes
 
 

@@ -13,7 +13,11 @@ into the same table:
     prompt      list   the conversation up to and including its last user turn
     reference   str    the original last assistant reply, or None
 
-The target later regenerates the reply to ``prompt`` ("dataset expansion").
+The target later regenerates the reply to ``prompt`` ("dataset expansion"). A turn's content may
+be null (an assistant turn that only calls tools: empty text) or a list of content parts (their text
+parts, joined by newlines). A row with no turns, no user turn or a non-text part (an image) holds no
+prompt: it is skipped and counted (:data:`SKIPPED_ROWS`; the prompts stage's stats file and log). A
+row's top-level ``system`` field (the LLaMA-Factory ShareGPT layout) is its system turn.
 """
 
 from __future__ import annotations
@@ -100,6 +104,35 @@ def load_table(spec: dict, name: str, repo_root: str | os.PathLike = ".") -> "da
 CHAT_COLUMNS = ("conversations", "messages")
 
 
+#: why a row holds no prompt (skipped and counted by :func:`normalize`)
+SKIPPED_ROWS = ("empty_conversation", "no_user_turn", "non_text_content")
+
+
+class SkippedRow(Exception):
+    """A row that holds no prompt; its message is one of :data:`SKIPPED_ROWS`."""
+
+
+def _text(content) -> str:
+    """A turn's content as text: null is empty (an assistant turn that only calls tools); a list of
+    content parts is its text parts joined by newlines (as vLLM joins them); any other part (an image,
+    audio) leaves the row without a text prompt."""
+    if content is None:
+        return ""
+    if hasattr(content, "tolist"):  # a parquet list column arrives as a numpy array
+        content = content.tolist()
+    if not isinstance(content, (list, tuple)):
+        return str(content)
+    texts = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif isinstance(part, str):
+            texts.append(part)
+        else:
+            raise SkippedRow("non_text_content")
+    return "\n".join(texts)
+
+
 def _turns_from_row(row: dict, spec: dict, where: str) -> list[dict]:
     col = spec.get("messages_column")
     if not col and not spec.get("prompt_column") and "prompt" not in row:
@@ -107,21 +140,27 @@ def _turns_from_row(row: dict, spec: dict, where: str) -> list[dict]:
     if col:
         if col not in row:
             raise UserError(f"{where}: no column {col!r} (has {sorted(row)}); set `messages_column` to the chat column")
-        turns = _chat_turns(row[col], spec.get("format") or "auto", col, where)
+        chat = row[col].tolist() if hasattr(row[col], "tolist") else row[col]
+        if chat is None or chat == []:
+            raise SkippedRow("empty_conversation")
+        turns = _chat_turns(chat, spec.get("format") or "auto", col, where)
     else:
         col = spec.get("prompt_column") or "prompt"
         if col not in row:
             raise UserError(
                 f"{where}: no column {col!r} (has {sorted(row)}); set `prompt_column` or `messages_column`"
             )
-        turns = [{"role": "user", "content": str(row[col])}]
+        turns = [{"role": "user", "content": _text(row[col])}]
         resp = spec.get("response_column")
         if resp:
             if resp not in row:
                 raise UserError(f"{where}: no column {resp!r} (has {sorted(row)}); fix `response_column`")
-            turns.append({"role": "assistant", "content": str(row[resp])})
-    if spec.get("system_prompt") and not any(t["role"] == "system" for t in turns):
-        turns = [{"role": "system", "content": spec["system_prompt"]}] + turns
+            if row[resp] is not None:
+                turns.append({"role": "assistant", "content": _text(row[resp])})
+    own = row.get("system")  # the row's own system prompt comes before the dataset's
+    system = own if isinstance(own, str) and own.strip() else spec.get("system_prompt")
+    if system and not any(t["role"] == "system" for t in turns):
+        turns = [{"role": "system", "content": system}] + turns
     return turns
 
 
@@ -162,56 +201,75 @@ def _chat_turns(turns, fmt: str, col: str, where: str) -> list[dict]:
         raise UserError(f"{where}: column {col!r} must be a list of {what} turns (a turn has {shown}); "
                         "set the dataset's `format` (auto, openai, sharegpt) or `messages_column`")
     if found == "openai":
-        return [{"role": str(t["role"]), "content": str(t["content"])} for t in turns]
+        return [{"role": str(t["role"]), "content": _text(t["content"])} for t in turns]
     out = []
     for t in turns:
         speaker = str(t["from"]).strip().lower()
         if speaker not in SHAREGPT_ROLES:
             raise UserError(f"{where}: column {col!r}: ShareGPT speaker {t['from']!r} is not one of "
                             f"{', '.join(sorted(SHAREGPT_ROLES))}")
-        out.append({"role": SHAREGPT_ROLES[speaker], "content": "" if t["value"] is None else str(t["value"])})
+        out.append({"role": SHAREGPT_ROLES[speaker], "content": _text(t["value"])})
     return out
 
 
-def split_prompt(turns: list[dict], where: str) -> tuple[list[dict], str | None]:
+def split_prompt(turns: list[dict]) -> tuple[list[dict], str | None]:
     """Split a chat into (prompt up to the last user turn, last assistant reply or None)."""
     last_user = max((i for i, t in enumerate(turns) if t["role"] == "user"), default=None)
     if last_user is None:
-        raise UserError(f"{where}: the conversation has no user turn; every row needs one")
+        raise SkippedRow("no_user_turn")
     tail = turns[last_user + 1 :]
     reference = next((t["content"] for t in tail if t["role"] == "assistant"), None)
     return turns[: last_user + 1], reference
 
 
-def normalize(table, spec: dict, name: str) -> pd.DataFrame:
-    """Turn raw rows into the normal form (id, prompt, reference)."""
+def normalize(table, spec: dict, name: str) -> tuple[pd.DataFrame, dict]:
+    """Turn raw rows into the normal form (id, prompt, reference); also the rows skipped, by reason
+    (:data:`SKIPPED_ROWS`; ``first``: the first skipped row's index). ``limit`` counts kept rows."""
     source = spec.get("path") or spec.get("hf")
     id_col = spec.get("id_column")
     limit = spec.get("limit")
-    rows = []
+    rows, skipped, first = [], dict.fromkeys(SKIPPED_ROWS, 0), None
     for i, row in enumerate(table):
         if limit is not None and len(rows) >= limit:
             break
         where = f"{source} row {i} (dataset {name})"
-        prompt, reference = split_prompt(_turns_from_row(row, spec, where), where)
+        try:
+            prompt, reference = split_prompt(_turns_from_row(row, spec, where))
+        except SkippedRow as why:
+            skipped[str(why)] += 1
+            first = i if first is None else first
+            continue
         if id_col and id_col not in row:
             raise UserError(f"{where}: no id column {id_col!r}; fix `id_column` or remove it")
         rid = str(row[id_col]) if id_col else (str(row["id"]) if "id" in row and row["id"] is not None else f"{name}-{i}")
         rows.append({"id": rid, "prompt": prompt, "reference": reference})
     df = pd.DataFrame(rows, columns=["id", "prompt", "reference"])
+    counts = {k: v for k, v in skipped.items() if v}
+    if df.empty:
+        raise UserError(f"{source} (dataset {name}): no row holds a conversation with a user turn (skipped: {counts}); "
+                        "point `messages_column` or `prompt_column` at the prompts")
     if df["id"].duplicated().any():
         dup = df.loc[df["id"].duplicated(), "id"].iloc[0]
         raise UserError(f"{source} (dataset {name}): id {dup!r} occurs twice; ids must be unique (set `id_column`)")
-    return df
+    return df, {"skipped_rows": skipped, "skipped_total": sum(skipped.values()), "first_skipped_row": first}
 
 
-def prepare_prompts(spec: dict, name: str, out_path: str, repo_root: str = ".") -> pd.DataFrame:
-    """Load, normalise and write one dataset's prompts as parquet (atomically)."""
-    from dflashpipe.atomic import atomic_path
+def prepare_prompts(spec: dict, name: str, out_path: str, repo_root: str = ".", stats_path: str | None = None,
+                    log=lambda line: None) -> pd.DataFrame:
+    """Load, normalise and write one dataset's prompts as parquet (atomically); with ``stats_path``, their
+    counts (prompts, references, rows skipped by reason) as JSON beside them; one log line says them."""
+    from dflashpipe.atomic import atomic_path, write_json
 
-    df = normalize(load_table(spec, name, repo_root), spec, name)
+    df, skipped = normalize(load_table(spec, name, repo_root), spec, name)
+    stats = {"prompts": len(df), "with_reference": int(df["reference"].notna().sum()), **skipped}
     with atomic_path(out_path) as tmp:
         df.to_parquet(tmp, index=False)
+    if stats_path:
+        write_json(stats_path, stats)
+    counts = ", ".join(f"{n} {why}" for why, n in skipped["skipped_rows"].items() if n)
+    log(f"{stats['prompts']} prompts ({stats['with_reference']} with a reference reply)"
+        + (f"; skipped {skipped['skipped_total']} rows without a prompt ({counts}; the first: row "
+           f"{skipped['first_skipped_row']})" if counts else ""))
     return df
 
 

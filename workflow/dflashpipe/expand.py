@@ -360,6 +360,18 @@ DECODE_STEPS = ("auto", "compiled", "static")
 BACKENDS = {"auto": _open_auto, "embedded": _open_embedded, "batched": _open_batched, "openai": _open_openai}
 
 
+def check_chat_template(prompts: pd.DataFrame, target_path: str, s: ExpandSettings, source: str) -> None:
+    """Every prompt rendered by the target's chat template before any is generated: a template that refuses
+    one (:func:`dflashpipe.target.prompt_text`) stops the job in seconds, not in its last chunk."""
+    from dflashpipe.target import load_tokenizer, prompt_text
+
+    if prompts.empty:
+        return
+    tokenizer = load_tokenizer(target_path)
+    for rid, turns in zip(prompts["id"], prompts["prompt"]):
+        prompt_text(tokenizer, turns, s.chat_template_kwargs, f"{source} row id {rid!r}")
+
+
 def expand_prompts(
     prompts_path: str,
     target_path: str,
@@ -415,6 +427,7 @@ def expand_prompts(
     t0, gen_tokens = time.time(), 0
     todo = [c for c in range(n_chunks) if not (work / f"chunk_{c:05d}.parquet").exists()]
     if todo:  # a shard with nothing left to generate (or no prompts at all) loads no model
+        check_chat_template(prompts, target_path, settings, prompts_path)
         generate = BACKENDS[settings.backend](target_path, settings, device, server or ServerSettings(), log)
     elif not n_chunks:
         log(f"shard {shard} of {n_shards} has no prompts (the dataset has fewer rows than shards): writing an empty output")

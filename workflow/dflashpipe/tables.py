@@ -14,9 +14,13 @@ import pandas as pd
 from dflashpipe.atomic import atomic_path
 
 EVAL_COLUMNS = [
-    "n_prompts", "tau_mean", "tau_pooled", "tau_authors_mean", "tau_authors_pooled", "tokens_per_s",
+    "n_prompts", "tau_mean", "tau_pooled", "tau_uncut_mean", "tau_uncut_pooled", "tokens_per_s",
     "speedup_vs_ar", "tokens_per_target_forward", "decode_tokens", "decode_s", "peak_memory_bytes", "matches_ar",
 ]  # fmt: skip
+
+
+#: a column under its name in older evaluation summaries (they still make tables)
+RENAMED = {"tau_uncut_mean": "tau_authors_mean", "tau_uncut_pooled": "tau_authors_pooled"}
 
 
 def _write_csv(df: pd.DataFrame, path: str) -> None:
@@ -43,7 +47,7 @@ def eval_tables(eval_summaries: dict[str, str], train_summary: str | None = None
                 {
                     "dataset": dataset,
                     "method": method,
-                    **{c: m.get(c) for c in EVAL_COLUMNS},
+                    **{c: m.get(c, m.get(RENAMED.get(c))) for c in EVAL_COLUMNS},
                     "simulated_tau": train.get("heldout_sim_tau") if method == "dflash" else None,
                     "lossless_passed": lossless.get("passed") if method == "dflash" else None,
                     "device": s.get("device_name"),

@@ -38,6 +38,23 @@ def load_tokenizer(path: str, field: str = "target.path"):
     return tok
 
 
+def prompt_text(tokenizer, turns, chat_template_kwargs: dict | None, where: str) -> str:
+    """A prompt as the target's chat template renders it, ready for the reply (``add_generation_prompt``).
+
+    A template that refuses the turns (Mistral-style strict user/assistant alternation given a ShareGPT
+    ``system`` or ``tool`` turn) is one line naming ``where`` (the dataset file and row) and what to do."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template([dict(t) for t in turns], tokenize=False, add_generation_prompt=True,
+                                             **(chat_template_kwargs or {}))
+    except TemplateError as err:
+        roles = ", ".join(str(t["role"]) for t in turns)
+        raise UserError(f"{where}: the target's chat template refuses this conversation (roles {roles}: {err}); "
+                        "drop or merge the turns it does not take in the dataset, or give the target a chat template "
+                        "that accepts them") from None
+
+
 def load_target(path: str, device: str = "cpu", dtype=None, field: str = "target.path"):
     """Load (model, tokenizer) for inference; the model is in eval mode with grads off."""
     import torch
@@ -52,19 +69,26 @@ def load_target(path: str, device: str = "cpu", dtype=None, field: str = "target
     return model, tok
 
 
+def _decides_tokens(f: Path) -> bool:
+    """A file of a target directory that can change its tokens: any but hidden files (Snakemake's
+    ``.snakemake_timestamp`` in a directory it made, ``.gitattributes``) and documentation."""
+    return f.is_file() and not f.name.startswith(".") and f.suffix.lower() != ".md" and not f.name.upper().startswith("LICENSE")
+
+
 def target_fingerprint(path: str) -> str:
     """A short stable identity of a target directory: the names and contents of its files.
 
-    Every file counts by content (a fine-tune swapped into the same directory is another target).
-    Files over 64 MB (the weights) count by their sha256, read once per file version and cached
-    (:func:`dflashpipe.filedigest.file_digest`): many GB are not re-read by every job.
+    Every file that can change the tokens counts by content (weights, config, tokenizer, chat template,
+    generation config, ...; not README.md or hidden files): a fine-tune swapped into the same directory
+    is another target. Files over 64 MB (the weights) count by their sha256, read once per file version
+    and cached (:func:`dflashpipe.filedigest.file_digest`): many GB are not re-read by every job.
     """
     from dflashpipe.filedigest import file_digest
 
     p = check_target_dir(path)
     h = hashlib.sha256()
     for f in sorted(p.iterdir()):
-        if not f.is_file():
+        if not _decides_tokens(f):
             continue
         h.update(f.name.encode())
         if f.stat().st_size > (64 << 20):
@@ -72,6 +96,26 @@ def target_fingerprint(path: str) -> str:
         else:
             h.update(f.read_bytes())
     return h.hexdigest()[:16]
+
+
+def write_target_id(path: str, out: str) -> bool:
+    """Write the target's fingerprint to ``out`` (a small JSON file) unless it holds it already; True if written.
+
+    The rules read the target through this file, not the directory: Snakemake judges a directory
+    input by the directory's own mtime, which a file overwritten in place inside it leaves alone.
+    The workflow calls this while it plans (and the tiny_target rule beside its model), so a target
+    whose content changed reruns what reads it, and one merely touched or copied back reruns nothing.
+    """
+    from dflashpipe.atomic import write_json
+
+    content = {"fingerprint": target_fingerprint(path)}
+    try:
+        if json.loads(Path(out).read_text()) == content:
+            return False
+    except (OSError, ValueError):
+        pass
+    write_json(out, content)
+    return True
 
 
 def describe_target(path: str) -> dict:

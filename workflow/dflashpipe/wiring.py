@@ -20,6 +20,7 @@ from dflashpipe.codedeps import script_closure
 from dflashpipe.config import canonical, compile_keys, result_params
 from dflashpipe.evaluate.methods import METHODS, needs_ar_draft
 from dflashpipe.lease import COMPILE_CACHE
+from dflashpipe.target import write_target_id
 
 
 class Paths:
@@ -52,6 +53,8 @@ class Paths:
         # the tiny default target (trained when no target.path is configured)
         self.target_model = f"{r}/target/model"
         self.target_metrics = f"{r}/target/metrics.json"
+        # the target's content fingerprint: what the rules read the target through (target.write_target_id)
+        self.target_id = f"{r}/target/fingerprint.json"
         # tokenized training data (one datasets dataset) and its statistics
         self.tokenized = f"{r}/tokenized/train"
         self.tokenized_stats = f"{r}/tokenized/stats.json"
@@ -69,6 +72,9 @@ class Paths:
     # -- stage outputs ----------------------------------------------------------
     def prompts(self, dataset: str = "{dataset}") -> str:
         return f"{self.results}/prompts/{dataset}.parquet"
+
+    def prompts_stats(self, dataset: str = "{dataset}") -> str:
+        return f"{self.results}/prompts/{dataset}.stats.json"
 
     def expanded_shard(self, dataset: str = "{dataset}", shard="{shard}") -> str:
         return f"{self.results}/expanded/{dataset}/shard{shard}.parquet"
@@ -173,6 +179,13 @@ class Pipeline:
         if not self.builds_tiny_target:
             return self.config["target"]["path"]
         return self.paths.target_model
+
+    def note_target_content(self) -> None:
+        """At plan time: the target's fingerprint file, rewritten only when its content changed (a tiny
+        target not built yet gets it from its rule)."""
+        if self.builds_tiny_target and not os.path.isdir(self.target_dir()):
+            return
+        write_target_id(self.target_dir(), self.paths.target_id)
 
     def tiny_target_prompts(self) -> dict:
         tiny = self.config["target"]["tiny"]

@@ -10,7 +10,7 @@ REPO = Path(workflow.basedir)
 sys.path.insert(0, str(REPO / "workflow"))
 
 from dflashpipe.checkout import pin_code
-from dflashpipe.config import prepare_config
+from dflashpipe.config import DATASET_NAME, prepare_config
 from dflashpipe.errors import UserError
 from dflashpipe.filedigest import share_cache
 from dflashpipe.wiring import Pipeline
@@ -37,6 +37,11 @@ pipeline = Pipeline(config, repo=REPO)
 paths = pipeline.paths
 # the jobs' cache of big files' digests (a target's weights are read once per file version)
 share_cache(config["results"])
+# the rules read the target through its content fingerprint, written now when the content changed
+try:
+    pipeline.note_target_content()
+except UserError as err:
+    raise SystemExit(f"ERROR: {err}")
 
 _gpu_budget = workflow.global_resources.get("gpu")
 _problem = pipeline.gpu_problem(getattr(_gpu_budget, "value", _gpu_budget))

@@ -4,7 +4,7 @@ if pipeline.needs_ar_draft():
         """A 1-layer autoregressive draft with the target's tokenizer, for the methods that need it (assisted)."""
         input:
             tokenized=paths.tokenized,
-            target=pipeline.target_dir(),
+            target_id=paths.target_id,
             code=pipeline.lib_code("ar_draft.py"),
         output:
             directory(paths.ar_draft),
@@ -18,6 +18,7 @@ if pipeline.needs_ar_draft():
         resources:
             gpu=1,
         params:
+            target=pipeline.target_dir(),
             cfg=pipeline.result_params("ar_draft"),
             seed=config["seed"],
         script:
@@ -27,7 +28,7 @@ if pipeline.needs_ar_draft():
 rule evaluate:
     """DFlash speculative decoding vs. AR and peers on one held-out dataset; lossless check."""
     input:
-        target=pipeline.target_dir(),
+        target_id=paths.target_id,
         drafter=paths.drafter,
         prompts=paths.prompts(),
         ar_draft=pipeline.ar_draft_dir(),
@@ -45,6 +46,7 @@ rule evaluate:
     resources:
         gpu=1,
     params:
+        target=pipeline.target_dir(),
         cfg=pipeline.result_params("evaluate"),
         seed=config["seed"],
         chat_template_kwargs=pipeline.chat_template_kwargs(),

@@ -2,7 +2,7 @@ rule expand_shard:
     """The target regenerates the replies of one shard of a training dataset (resumable)."""
     input:
         prompts=paths.prompts(),
-        target=pipeline.target_dir(),
+        target_id=paths.target_id,
         code=pipeline.lib_code("expand.py"),
     output:
         paths.expanded_shard(),
@@ -18,6 +18,7 @@ rule expand_shard:
     resources:
         gpu=pipeline.expand_gpus(),
     params:
+        target=pipeline.target_dir(),
         settings=pipeline.result_params("expand"),
         n_shards=config["expand"]["shards"],
         seed=pipeline.expand_seed(),

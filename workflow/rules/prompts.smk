@@ -4,11 +4,12 @@ rule prompts:
         data=pipeline.dataset_file,
         code=pipeline.lib_code("prompts.py"),
     output:
-        paths.prompts(),
+        prompts=paths.prompts(),
+        stats=paths.prompts_stats(),
     log:
         paths.log("prompts", "{dataset}"),
     wildcard_constraints:
-        dataset="[A-Za-z0-9_.-]+",
+        dataset=DATASET_NAME,
     conda:
         "../../envs/light.yaml"
     threads: config["threads"]

@@ -8,6 +8,7 @@ if pipeline.builds_tiny_target:
         output:
             model=directory(paths.target_model),
             metrics=paths.target_metrics,
+            target_id=paths.target_id,
         log:
             paths.log("target", "tiny_target"),
         benchmark:

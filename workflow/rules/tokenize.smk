@@ -2,7 +2,7 @@ rule tokenize:
     """Chat template + assistant-only loss mask + length filter -> one datasets dataset."""
     input:
         expanded=pipeline.expanded_train(),
-        target=pipeline.target_dir(),
+        target_id=paths.target_id,
         code=pipeline.lib_code("tokenize.py"),
     output:
         data=directory(paths.tokenized),
@@ -13,6 +13,7 @@ rule tokenize:
         "../../envs/torch.yaml"
     threads: config["threads"]
     params:
+        target=pipeline.target_dir(),
         names=pipeline.datasets_for("train"),
         block_size=config["drafter"]["block_size"],
         buckets=config["tokenize"]["buckets"],

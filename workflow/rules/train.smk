@@ -3,7 +3,7 @@ rule train:
     input:
         stamps=pipeline.all_stamps(),
         tokenized=paths.tokenized,
-        target=pipeline.target_dir(),
+        target_id=paths.target_id,
         code=pipeline.lib_code("train.py"),
     output:
         summary=paths.train_summary,
@@ -22,6 +22,7 @@ rule train:
     resources:
         gpu=pipeline.shards,
     params:
+        target=pipeline.target_dir(),
         drafter=pipeline.result_params("drafter"),
         train=pipeline.result_params("train"),
         seed=config["seed"],
@@ -35,7 +36,7 @@ rule export:
     """The drafter export from the run's final weights: an export-code edit reruns this, never training."""
     input:
         final=paths.train_final,
-        target=pipeline.target_dir(),
+        target_id=paths.target_id,
         code=pipeline.lib_code("export.py"),
     output:
         drafter=directory(paths.drafter),
@@ -46,5 +47,7 @@ rule export:
     conda:
         "../../envs/torch.yaml"
     threads: 1
+    params:
+        target=pipeline.target_dir(),
     script:
         "../scripts/export.py"

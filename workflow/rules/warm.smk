@@ -3,7 +3,7 @@ rule warm_slot:
     input:
         previous=pipeline.previous_stamp,
         tokenized=paths.tokenized,
-        target=pipeline.target_dir(),
+        target_id=paths.target_id,
         code=pipeline.lib_code("warm.py"),
     output:
         paths.warm_stamp(),
@@ -19,6 +19,7 @@ rule warm_slot:
     resources:
         gpu=1,
     params:
+        target=pipeline.target_dir(),
         compile=pipeline.compile_settings(),
         seed=config["seed"],
         torch=pipeline.torch_version(),

@@ -9,5 +9,5 @@ with job(snakemake.log[0], threads=snakemake.threads, name="ar_draft") as log:
     lease = lease_for_job(snakemake.config)
     cfg = settings(ARDraftConfig, snakemake.config["ar_draft"], p.cfg, seed=p.seed)  # max_minutes: read here
     token_lists = load_tokenized(snakemake.input.tokenized)["input_ids"]
-    metrics = train_ar_draft(token_lists, snakemake.input.target, snakemake.output[0], cfg, log=log, device=lease.device)
+    metrics = train_ar_draft(token_lists, snakemake.params.target, snakemake.output[0], cfg, log=log, device=lease.device)
     log(f"AR draft: {metrics}")

@@ -9,7 +9,7 @@ with job(snakemake.log[0], threads=snakemake.threads, name=f"evaluate {snakemake
     log(f"leased slot {lease.slot}: device {lease.device}")
     use_leased_slot_cache(snakemake.config, lease, log)
     evaluate_dataset(
-        snakemake.input.target,
+        snakemake.params.target,
         snakemake.input.drafter,
         snakemake.input.prompts,
         snakemake.output.samples,

@@ -18,7 +18,7 @@ with job(snakemake.log[0], threads=snakemake.threads, name=f"expand {snakemake.w
         device = "cpu"
     expand_prompts(
         snakemake.input.prompts,
-        snakemake.input.target,
+        snakemake.params.target,
         expand_settings,
         snakemake.output[0],
         shard=int(snakemake.wildcards.shard),

@@ -2,4 +2,4 @@ from dflashpipe.drafter.export import export_final
 from dflashpipe.runtime import job
 
 with job(snakemake.log[0], threads=snakemake.threads, name="export") as log:
-    export_final(snakemake.input.final, snakemake.input.target, snakemake.output.drafter, log=log)
+    export_final(snakemake.input.final, snakemake.params.target, snakemake.output.drafter, log=log)

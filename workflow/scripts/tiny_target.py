@@ -2,6 +2,7 @@ from dflashpipe.config import settings
 from dflashpipe.data import read_prompts
 from dflashpipe.errors import UserError
 from dflashpipe.runtime import job
+from dflashpipe.target import write_target_id
 from dflashpipe.tiny_target import TinyTargetConfig, train_tiny_target
 
 
@@ -18,6 +19,7 @@ with job(snakemake.log[0], threads=snakemake.threads, name="tiny_target") as log
     cfg = settings(TinyTargetConfig, snakemake.config["target"]["tiny"], seed=snakemake.config["seed"])
     train = [c for path in snakemake.input.train for c in chats(path)]
     metrics = train_tiny_target(train, chats(snakemake.input.heldout), cfg, snakemake.output.model, snakemake.output.metrics, log=log)
+    write_target_id(snakemake.output.model, snakemake.output.target_id)
     log(
         f"held-out loss {metrics['heldout_loss']:.3f}, {metrics['tokens_per_second']:.0f} tok/s, "
         f"{metrics['train_minutes']:.1f} min, format ok {metrics['format_ok']:.0%}"

@@ -4,7 +4,7 @@ from dflashpipe.tokenize import tokenize_expanded
 with job(snakemake.log[0], threads=snakemake.threads, name="tokenize") as log:
     tokenize_expanded(
         dict(zip(snakemake.params.names, snakemake.input.expanded)),
-        snakemake.input.target,
+        snakemake.params.target,
         snakemake.params.block_size,
         snakemake.params.buckets,
         snakemake.output.data,

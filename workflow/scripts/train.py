@@ -13,7 +13,7 @@ with job(snakemake.log.main, threads=snakemake.threads, name=f"train ({shards} r
         threads_per_rank=max(1, snakemake.threads // shards),
         cfg=cfg,
         tokenized=snakemake.input.tokenized,
-        target=snakemake.input.target,
+        target=snakemake.params.target,
         run_dir=snakemake.params.run_dir,
         cache_root=snakemake.params.cache_root,
         stamps=list(snakemake.input.stamps),

@@ -50,27 +50,50 @@ def _cat(*tensors):
     return None if tensors[0] is None else torch.cat(tensors, dim=0)
 
 
+#: the fused matrices: (layer attribute, fused name, the projections fused in it)
+FUSED = (("self_attn", "qkv", ("q_proj", "k_proj", "v_proj")), ("mlp", "gate_up", ("gate_proj", "up_proj")))
+
+
+def _views(owner, name: str, parts) -> bool:
+    """Whether the projections' weights are (still) views of the fused matrix."""
+    fused = getattr(owner, f"{name}_weight", None)
+    return fused is not None and all(p.weight.untyped_storage().data_ptr() == fused.data_ptr() for p in parts)
+
+
+def _fuse(owner, name: str, part_names) -> None:
+    """One fused matrix (and bias) from the projections' weights, which become views of it."""
+    parts = [getattr(owner, n) for n in part_names]
+    if _views(owner, name, parts):
+        return
+    weight = _cat(*(p.weight for p in parts))
+    bias = _cat(*(p.bias for p in parts)) if all(p.bias is not None for p in parts) else None
+    start = 0
+    for p in parts:  # the module's weight (and bias) now live inside the fused ones
+        n = p.weight.shape[0]
+        p.weight.data = weight[start : start + n]
+        if bias is not None:
+            p.bias.data = bias[start : start + n]
+        start += n
+    owner.register_buffer(f"{name}_weight", weight, persistent=False)
+    owner.register_buffer(f"{name}_bias", bias, persistent=False)
+    owner.fused_sizes = [p.weight.shape[0] for p in parts]
+
+
 def fuse_projections(model) -> None:
     """Each layer's q/k/v and gate/up weights as one matrix each (the buffers ``qkv_weight``,
     ``qkv_bias``, ``gate_up_weight``, ``gate_up_bias``, not saved with the model), the projections'
-    own weights becoming views of them. Idempotent. Run it after the model is on its device."""
+    own weights becoming views of them. Idempotent. Run it after the model is on its device.
+
+    ``.to()`` copies every tensor on its own, so the projections stop being views (the same numbers,
+    twice the memory): calling this again fuses them again, and a ``load_state_dict`` does it by itself
+    (a hook), so the fused matrices never hold other weights than the projections."""
     for layer in model.model.layers:
-        a, m = layer.self_attn, layer.mlp
-        if hasattr(a, "qkv_weight"):
-            continue
-        for owner, name, parts in ((a, "qkv", (a.q_proj, a.k_proj, a.v_proj)), (m, "gate_up", (m.gate_proj, m.up_proj))):
-            weight = _cat(*(p.weight for p in parts))
-            bias = _cat(*(p.bias for p in parts)) if all(p.bias is not None for p in parts) else None
-            start = 0
-            for p in parts:  # the module's weight (and bias) now live inside the fused ones
-                n = p.weight.shape[0]
-                p.weight.data = weight[start : start + n]
-                if bias is not None:
-                    p.bias.data = bias[start : start + n]
-                start += n
-            owner.register_buffer(f"{name}_weight", weight, persistent=False)
-            owner.register_buffer(f"{name}_bias", bias, persistent=False)
-            owner.fused_sizes = [p.weight.shape[0] for p in parts]
+        for attr, name, part_names in FUSED:
+            owner = getattr(layer, attr)
+            _fuse(owner, name, part_names)
+            if not getattr(owner, "_refuses_on_load", False):
+                owner.register_load_state_dict_post_hook(lambda module, _keys, n=name, ps=part_names: _fuse(module, n, ps))
+                owner._refuses_on_load = True
 
 
 def _rotate_half(x):

@@ -50,7 +50,7 @@ class DecodeResult:
 
     ``tokens``: the output (cut at the stop token / length limit; stop token kept).
     ``committed``: per verify step, tokens that reached the output (cut convention).
-    ``committed_raw``: per verify step, ``a + 1`` before cutting (authors' convention).
+    ``committed_raw``: per verify step, ``a + 1`` before cutting (``tau_uncut``; evaluate.metrics).
     ``accepted``: per verify step, accepted draft tokens ``a`` (empty for AR).
     ``target_forwards``: decode forwards of the target (prefill excluded).
     Times are seconds; ``decode_s`` excludes the prefill (which yields the first token).
@@ -85,8 +85,8 @@ class DecodeResult:
         return sum(self.committed) / len(self.committed) if self.committed else float("nan")
 
     @property
-    def tau_authors(self) -> float:
-        """Authors' convention: a + 1 per step, counted before cutting."""
+    def tau_uncut(self) -> float:
+        """a + 1 per step, counted before cutting (the authors' benchmark before z-lab/dflash 10129599)."""
         return sum(self.committed_raw) / len(self.committed_raw) if self.committed_raw else float("nan")
 
     @property

@@ -22,8 +22,13 @@ Inside the directory:
   the checkpoint's step on resume; published as the run's metrics output, so
   the history of a resumed run equals an uninterrupted one's;
 * ``complete.json``: written once every rank finished and the outputs were
-  published. A job that finds it belongs to a rerun of a FINISHED run (its
-  outputs went missing, or ``--forcerun``) and trains again from scratch.
+  published, with the run's summary and its final weights' metadata. A job that
+  finds it belongs to a rerun of a FINISHED run (its warm stamps were remade
+  after a comment edit or an ``x-compile`` key, its outputs went missing,
+  ``--forcerun``): it writes the outputs again from the final checkpoint and
+  trains no step (:func:`republish`). Nothing here is ever deleted but the
+  checkpoints older than the newest two of the same run; to train a finished
+  run again, delete its directory.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ METRIC_FIELDS = (
     "step_seconds", "peak_mem_mb", "heldout_loss", "heldout_acc", "heldout_sim_tau",
 )  # fmt: skip
 KEEP = 2  # checkpoints kept
+COMPLETE = "complete.json"  # a finished run (see the module docstring)
 
 
 def run_identity(cfg, tokenized_dir: str, target_dir: str) -> dict:
@@ -88,23 +94,70 @@ def _steps(ckpt_dir: Path) -> list[Path]:
 
 
 def start_run(ckpt_dir: Path, identity: dict, log=print) -> None:
-    """Rank 0, before anyone loads: clear a killed writer's leftovers; reset a finished run's directory."""
+    """Rank 0, before anyone loads: clear a killed writer's leftovers (checkpoints are never deleted here)."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     for junk in ckpt_dir.glob(".tmp-*"):
         if junk.is_dir():
             shutil.rmtree(junk, ignore_errors=True)
         else:
             junk.unlink(missing_ok=True)
-    done = ckpt_dir / "complete.json"
-    if done.exists():
-        log(f"{ckpt_dir} holds a finished run of the same code and settings; this job trains again from scratch")
-        for f in [*_steps(ckpt_dir), ckpt_dir / "metrics.csv", done]:
-            f.unlink(missing_ok=True)
+    if (ckpt_dir / COMPLETE).exists():  # finished, but republish could not write its outputs (see there)
+        log(f"{ckpt_dir} holds a finished run of the same code and settings: it resumes from its newest checkpoint "
+            "that loads")
     write_json(ckpt_dir / "identity.json", identity)
 
 
-def mark_complete(ckpt_dir: Path, summary: dict | None = None) -> None:
-    write_json(Path(ckpt_dir) / "complete.json", {"finished_at": time.time(), **(summary or {})})
+def heldout_code() -> str:
+    """The held-out evaluation code by meaning (not part of the run identity, but of the figures in its summary)."""
+    from dflashpipe.codedeps import module_closure
+    from dflashpipe.hotstart import code_digest
+
+    return code_digest(module_closure(Path(__file__).resolve().parents[1], ["drafter.heldout"]))
+
+
+def mark_complete(ckpt_dir: Path, summary_json: str, final_state: str) -> None:
+    """The run finished and its outputs exist: keep its summary and its final weights' metadata beside the
+    checkpoints, so that a rerun writes the outputs again without training (:func:`republish`)."""
+    from safetensors import safe_open
+
+    with safe_open(final_state, "pt") as f:
+        meta = f.metadata()
+    write_json(Path(ckpt_dir) / COMPLETE, {"finished_at": time.time(), "summary": json.loads(Path(summary_json).read_text()),
+                                           "final_metadata": meta, "heldout_code": heldout_code()})
+
+
+def republish(ckpt_dir: Path, identity: dict, metrics_csv: str, summary_json: str, final_state: str,
+              log=print) -> dict | None:
+    """A finished run's outputs written again, no step trained: the final weights from its final
+    checkpoint (the same tensors and metadata), the metrics history and the summary it finished with.
+    None (train, or resume) unless ``ckpt_dir`` holds a finished run whose final checkpoint loads; also
+    None when the held-out evaluation code changed since: the run then resumes at its final checkpoint,
+    which trains no step and evaluates the held-out samples again for the summary."""
+    ckpt_dir = Path(ckpt_dir)
+    try:
+        done = json.loads((ckpt_dir / COMPLETE).read_text())
+        summary, meta = done["summary"], done["final_metadata"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (ckpt_dir / "metrics.csv").is_file():
+        return None
+    if done.get("heldout_code") != heldout_code():
+        log(f"{ckpt_dir} holds this run, finished, but the held-out evaluation code changed since: it resumes at "
+            "its final checkpoint to evaluate again (no step is trained)")
+        return None
+    final = ckpt_dir / f"step{int(summary['steps']):07d}.pt"
+    state, problem = _load(final)
+    if state is None or state.get("identity") != identity:
+        log(f"WARNING: {final}: cannot load ({problem or 'another run'}); the finished run resumes from the "
+            "checkpoint before it")
+        return None
+    write_final_state(final_state, state["model"], meta)
+    with atomic_path(metrics_csv) as tmp:
+        shutil.copyfile(ckpt_dir / "metrics.csv", tmp)
+    write_json(summary_json, summary)
+    log(f"{ckpt_dir} holds this run, finished (step {summary['steps']}): its outputs are written again from there "
+        "and no step is trained (delete that directory to train it again)")
+    return summary
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, model_state: dict, optimizer_state: dict, identity: dict,
@@ -129,13 +182,26 @@ def save_final_state(path, drafter, drafter_config, step: int, export_dtype) -> 
     """The run's final weights for the export rule: the drafter's state dict (safetensors, atomic) with
     metadata ``drafter_config`` (JSON of :class:`~dflashpipe.drafter.model.DrafterConfig`), ``step``
     and ``export_dtype`` (the training autocast dtype the export casts to; empty: as stored)."""
-    from safetensors.torch import save_file
-
     meta = {"drafter_config": json.dumps(drafter_config.to_dict()), "step": str(step),
             "export_dtype": str(export_dtype or "").removeprefix("torch.")}
-    state = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
+    write_final_state(path, drafter.state_dict(), meta)
+
+
+def write_final_state(path, model_state: dict, meta: dict) -> None:
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
     with atomic_path(path) as tmp:
         save_file(state, str(tmp), metadata=meta)
+
+
+def _load(path: Path) -> tuple[dict | None, str | None]:
+    """(the checkpoint, None), or (None, why it does not load). Memory-mapped: K ranks reading one file
+    share its pages."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True), None
+    except Exception as err:  # noqa: BLE001 - truncated, corrupt or missing
+        return None, (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
 
 
 def load_checkpoint(ckpt_dir: Path, identity: dict, log=print, step: int | None = None) -> dict | None:
@@ -144,15 +210,12 @@ def load_checkpoint(ckpt_dir: Path, identity: dict, log=print, step: int | None 
     A checkpoint that does not load is skipped, with a line in the log, for the
     one before it; if none loads, one line names them. ``step``: exactly that
     checkpoint (the one rank 0 chose; the other ranks must load the same).
-    Memory-mapped: K ranks reading one file share its pages.
     """
     paths = [ckpt_dir / f"step{step:07d}.pt"] if step else _steps(ckpt_dir)
     bad = []
     for path in reversed(paths):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as err:  # noqa: BLE001 - truncated or corrupt: fall back to the previous one
-            detail = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+        state, detail = _load(path)
+        if state is None:  # truncated or corrupt: fall back to the previous one
             if step:
                 raise UserError(f"{path}: cannot load ({detail}), although rank 0 resumed from it; rerun") from None
             log(f"WARNING: {path}: cannot load ({detail}); falling back to the checkpoint before it")

@@ -78,15 +78,18 @@ def check_fp8_device(device: torch.device, field: str = "train.target_fp8") -> N
 def quantize_decoder_linears(target) -> dict:
     """Replace every ``nn.Linear`` inside ``target.model.layers`` by an :class:`Fp8Linear`, in place.
 
-    One linear at a time, so the peak is the bf16 model plus one weight. Returns
-    counts (``quantized``, ``kept``: linears whose shapes FP8 GEMMs do not take)
-    and the bytes of weights before and after.
+    One linear at a time, each original freed as soon as its FP8 replacement is in
+    place (nothing here keeps a reference to it), so the peak is the bf16 model
+    plus one weight's FP8 copy and fp32 temporaries. Returns counts (``quantized``,
+    ``kept``: linears whose shapes FP8 GEMMs do not take) and the bytes of weights
+    before and after.
     """
     layers = target.model.layers
-    todo = [(parent, name, child) for parent in layers.modules() for name, child in parent.named_children()
+    todo = [(parent, name) for parent in layers.modules() for name, child in parent.named_children()
             if type(child) is nn.Linear]
     counts = {"quantized": 0, "kept": 0, "bytes_before": 0, "bytes_after": 0}
-    for parent, name, child in todo:
+    for parent, name in todo:
+        child = getattr(parent, name)
         before = child.weight.numel() * child.weight.element_size()
         counts["bytes_before"] += before
         if not _fits(child):
@@ -94,6 +97,7 @@ def quantize_decoder_linears(target) -> dict:
             counts["bytes_after"] += before
             continue
         new = Fp8Linear(child)
+        del child  # the model's reference is the last one: replacing it frees the original
         setattr(parent, name, new)
         counts["quantized"] += 1
         counts["bytes_after"] += new.weight.numel() + new.weight_scale.numel() * 4

@@ -18,7 +18,8 @@ always scheduled, run, retried and invalidated together; on a cluster the job
 is one allocation of K GPUs (co-scheduled by construction).
 
 A run that finished is marked complete in its checkpoint directory only after
-every rank exited cleanly and the outputs exist (see :mod:`.checkpoint`).
+every rank exited cleanly and the outputs exist; a job that finds its run
+finished writes the outputs again and starts no rank (see :mod:`.checkpoint`).
 """
 
 from __future__ import annotations
@@ -150,12 +151,15 @@ def run_training(*, world_size: int, threads_per_rank: int, cfg, tokenized: str,
     from dflashpipe.lease import lease_for_job
     from dflashpipe.tracking import check_available
 
-    from .checkpoint import checkpoint_dir, mark_complete, run_identity
+    from .checkpoint import checkpoint_dir, mark_complete, republish, run_identity
     from .distributed import rendezvous_url
 
     check_available(cfg.tensorboard, cfg.wandb)  # a tracker asked for but not installed: one line before any lease
     identity = run_identity(cfg, tokenized, target)  # once: every rank keys the same run
     ckpt = checkpoint_dir(run_dir, identity)
+    finished = republish(ckpt, identity, metrics_csv, summary_json, final_state, log)
+    if finished is not None:  # a finished run of this identity (a comment edit, an x-compile key): trains no step
+        return finished
     spec = {
         "world_size": world_size, "threads": threads_per_rank, "cfg": asdict(cfg), "tokenized": tokenized,
         "target": target, "identity": identity, "ckpt_dir": str(ckpt), "cache_root": cache_root, "stamps": stamps,
@@ -183,7 +187,7 @@ def run_training(*, world_size: int, threads_per_rank: int, cfg, tokenized: str,
         for lease in leases:
             lease.release()
     summary = json.loads(Path(summary_json).read_text())
-    mark_complete(ckpt, {"steps": summary["steps"], "world_size": world_size})
+    mark_complete(ckpt, summary_json, final_state)
     return summary
 
 

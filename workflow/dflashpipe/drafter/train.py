@@ -47,7 +47,15 @@ from .features import trim_unused_layers
 from .fp8 import check_fp8_device, quantize_decoder_linears
 from .heldout import heldout_figures
 from .model import ARCH_FIELDS, ARCH_KEYS, DFlashDrafter, DrafterConfig
-from .step import apply_compile_mode, compile_signature, lr_at, prime_buckets, resolve_setup, train_step
+from .step import (
+    apply_compile_mode,
+    compile_signature,
+    lr_at,
+    prime_buckets,
+    resolve_setup,
+    target_cache_off,
+    train_step,
+)
 
 # ---------------------------------------------------------------------------
 # Config
@@ -265,6 +273,9 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
         + (f", resumed from step {start_step}" if start_step else "")
     )
     log(f"set up in {time.time() - t_start:.1f} s ({laps})")
+    cache_off = target_cache_off(cfg, K)
+    if cache_off and rank == 0:
+        log(cache_off)
 
     # -- hot start: every compile up front, from the slot's warm cache ---------------
     hot = None

@@ -14,9 +14,11 @@ Vocabulary (one response, batch size 1):
 Two conventions for tau (mean committed tokens per verify step):
 
 * ``tau`` (this pipeline's headline): counts only tokens that reach the output,
-  i.e. the LAST step is cut;
-* ``tau_authors``: the DFlash authors' benchmark counts ``a + 1`` for every step
-  before cutting, which can overstate tau on short outputs.
+  i.e. the LAST step is cut. The DFlash authors' benchmark counts the same way
+  since z-lab/dflash commit 10129599;
+* ``tau_uncut``: ``a + 1`` for every step, counted before cutting, as the
+  authors' benchmark did before that commit (e.g. e763f23); it can overstate
+  tau on short outputs.
 
 Histogram and per-position acceptance use the raw accept lengths ``a`` (what the
 drafter achieved; cutting is an artefact of the output length, not of drafting).

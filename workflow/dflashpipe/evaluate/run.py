@@ -109,9 +109,11 @@ def _peak_memory(device: torch.device) -> dict:
     return {"peak_memory_bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "peak_memory_kind": "cpu_process_maxrss"}
 
 
-def encode_prompt(tokenizer, turns, chat_template_kwargs: dict | None = None) -> list[int]:
+def encode_prompt(tokenizer, turns, chat_template_kwargs: dict | None = None, where: str = "a prompt") -> list[int]:
     """The target's chat template with ``add_generation_prompt=True`` (as in expand)."""
-    text = tokenizer.apply_chat_template([dict(t) for t in turns], tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {}))
+    from dflashpipe.target import prompt_text
+
+    text = prompt_text(tokenizer, turns, chat_template_kwargs, where)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -126,7 +128,7 @@ def _row(pid, method: str, r: DecodeResult, ar: DecodeResult | None, tokenizer) 
         "decode_s": r.decode_s,
         "tokens_per_s": r.tokens_per_second,
         "tau": r.tau,
-        "tau_authors": r.tau_authors if method == "dflash" else float("nan"),
+        "tau_uncut": r.tau_uncut if method == "dflash" else float("nan"),
         "steps": r.verify_steps,
         "target_forwards": r.target_forwards,
         "tokens_per_forward": r.decode_tokens / r.target_forwards if r.target_forwards else float("nan"),
@@ -174,9 +176,10 @@ def _summarise(method: str, results: list[DecodeResult], ar: list[DecodeResult],
         out.update(
             {
                 "tau_convention": "tau_mean/tau_pooled count only tokens that reach the output (last step cut at the "
-                "stop token / length limit); tau_authors_* count accepted+1 for every step before cutting",
-                "tau_authors_mean": M.tau_mean([r.committed_raw for r in results]),
-                "tau_authors_pooled": M.tau_pooled([r.committed_raw for r in results]),
+                "stop token / length limit; the authors' benchmark since z-lab/dflash 10129599); tau_uncut_* count "
+                "accepted+1 for every step before cutting (the authors' benchmark before that commit)",
+                "tau_uncut_mean": M.tau_mean([r.committed_raw for r in results]),
+                "tau_uncut_pooled": M.tau_pooled([r.committed_raw for r in results]),
                 "block_size": block_size,
                 "acceptance_histogram": M.acceptance_histogram(accepted, verify_len),
                 "per_position_acceptance": M.per_position_acceptance(accepted, verify_len),
@@ -316,7 +319,7 @@ def _read_prompts(prompts_parquet, tok, target, block_size: int, s: EvalSettings
     for i, turns in enumerate(df["prompt"]):
         if s.num_prompts is not None and len(keep) >= int(s.num_prompts):
             break
-        ids_ = encode_prompt(tok, turns, s.chat_template_kwargs)
+        ids_ = encode_prompt(tok, turns, s.chat_template_kwargs, f"{prompts_parquet} row id {df['id'].iloc[i]!r}")
         reason = screen_prompt(turns, len(ids_), context, reserve)
         if reason:
             skipped[reason] += 1
