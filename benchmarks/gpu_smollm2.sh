@@ -87,7 +87,7 @@ train)
     for d in "$WORK"/runs/*/; do
         cp "$d"/runs/*/metrics.csv "$WORK/report_train/$(basename "$d")_metrics.csv" 2>/dev/null || true
     done
-    done_runs=$(for d in "$WORK"/runs/*/; do [ -f "$d/runs.csv" ] && echo "$d"; done)
+    done_runs=$(for d in "$WORK"/runs/*/; do if [ -f "$d/runs.csv" ]; then echo "$d"; fi; done)
     [ -z "$done_runs" ] || python3 benchmarks/recipes.py --out "$WORK/report_train" --combine $done_runs
     python3 benchmarks/plot_data_curve.py "$WORK/runs" "$WORK/report_train/data_curve.png" \
         | tee "$WORK/report_train/data_curve.txt" || true
