@@ -2,7 +2,7 @@
 
 Run with `bash scripts/test.sh -m slow`. It runs the README's main job in a temp
 working directory and checks the figures the README reports for the first run: DFlash faster than
-same-harness AR on both evaluation sets (see the README's "Results on the embedded default").
+same-harness AR on both evaluation sets (see docs/results-cpu.md).
 """
 
 import json

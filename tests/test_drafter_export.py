@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from dflashpipe.drafter.card import model_card
 from dflashpipe.drafter.export import load_drafter, save_drafter
 from dflashpipe.drafter.masks import block_position_ids, dense_mask
 from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig, expected_state_shapes
@@ -300,7 +301,7 @@ def test_roundtrip_of_every_arch_and_sliding_windows(tmp_path, case):
     out = save_drafter(model, cfg, tmp_path / "d", tc)
     loaded, cfg2 = load_drafter(out)
     assert cfg2 == cfg
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "dflash.py", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "dflash.py", "model.safetensors"]
     d = json.loads((out / "config.json").read_text())
     arch = {"dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}.get(cfg.arch, "DFlashDraftModel")
     assert d["architectures"] == [arch] and d["auto_map"] == {"AutoModel": f"dflash.{arch}"}
@@ -335,6 +336,71 @@ def test_a_sliding_layer_without_is_causal_false_is_refused(tmp_path):
         load_drafter(out)
     assert "\n" not in str(info.value)
 
+
+
+def _engine_value(d, key, nested=("dspark_config", "dflash_config")):
+    """A key as SGLang's DFlash/DSpark parsers read it: the nested config first, then the top level."""
+    for section in nested:
+        if key in (d.get(section) or {}):
+            return d[section][key]
+    return d.get(key)
+
+
+@pytest.mark.parametrize("case", ["dflash", *sorted(ARCH_CASES)])
+def test_config_carries_what_sglang_and_vllm_readers_require(tmp_path, case):
+    """config.json holds what SGLang's parse_dflash_draft_config / parse_dspark_draft_config and vLLM's
+    qwen3_dflash.py read: block_size, target_layer_ids, mask_token_id; DFlash 2's conv_kernel_size with
+    conv_group_size and selector_rank with selector_top_k as pairs (SGLang refuses one without the other);
+    with sliding layers is_causal: false (vLLM and z-lab's reference make sliding layers causal without it)."""
+    tc = tiny_target_config()
+    cfg = DrafterConfig.from_target_config(tc, 2, 4, V - 1, **ARCH_CASES.get(case, {}))
+    d = json.loads((save_drafter(random_drafter(cfg), cfg, tmp_path / "d", tc) / "config.json").read_text())
+    assert _engine_value(d, "block_size") == cfg.block_size == d["block_size"]
+    layers = _engine_value(d, "target_layer_ids")
+    assert layers and all(isinstance(i, int) and 0 <= i < d["num_target_layers"] for i in layers)
+    assert layers == list(cfg.target_layer_ids) and d["num_target_layers"] == tc.num_hidden_layers
+    mask = _engine_value(d, "mask_token_id")
+    assert isinstance(mask, int) and not isinstance(mask, bool) and 0 <= mask < d["vocab_size"]
+    dc = d["dflash_config"]
+    for a, b in (("conv_kernel_size", "conv_group_size"), ("selector_rank", "selector_top_k")):
+        assert bool(dc.get(a, 0)) == bool(dc.get(b, 0)), (a, b, dc)
+        assert bool(dc.get(a, 0)) == (cfg.arch == "dflash2"), (a, dc)
+    if cfg.arch == "dflash2":
+        assert (dc["conv_kernel_size"], dc["conv_group_size"]) == (cfg.conv_kernel_size, cfg.conv_group_size)
+        assert (dc["selector_rank"], dc["selector_top_k"]) == (cfg.selector_rank, cfg.selector_top_k)
+    sliding = "sliding_attention" in (d.get("layer_types") or [])
+    assert sliding == bool(cfg.sliding_window)
+    if sliding:
+        assert d["is_causal"] is False and isinstance(d["sliding_window"], int) and d["sliding_window"] > 0
+    else:
+        assert d.get("is_causal") is not True
+    if cfg.arch == "dspark":  # SGLang's DSpark parser: a Markov head needs its type; the mask is required
+        assert _engine_value(d, "markov_rank") == cfg.markov_rank > 0
+        assert _engine_value(d, "markov_head_type") == "vanilla" and d["dspark_config"]["mask_token_id"] == mask
+
+
+@pytest.mark.parametrize("case", ["dflash", "dflash2", "dspark"])
+def test_every_export_has_a_model_card_naming_target_recipe_and_serving_flags(tmp_path, case):
+    tc = tiny_target_config()
+    cfg = DrafterConfig.from_target_config(tc, 2, 4, V - 1, **ARCH_CASES.get(case, {}))
+    card = save_drafter(random_drafter(cfg), cfg, tmp_path / "d", tc,
+                        card=model_card(cfg, target="Qwen/Qwen3-8B", drafter="out/drafter")) / "README.md"
+    text = card.read_text()
+    front = text.split("---\n")[1]
+    assert "base_model: Qwen/Qwen3-8B" in front and f"- {cfg.arch}" in front
+    assert f"| architecture | `{cfg.arch}` |" in text and f"| block size | {cfg.block_size} " in text
+    assert f"`{list(cfg.target_layer_ids)}`" in text and "results/tables/eval.csv" in text
+    algorithm, method, verify, drafted = {
+        "dspark": ("DSPARK", "dspark", cfg.block_size + 1, cfg.block_size),
+    }.get(case, ("DFLASH", "dflash", cfg.block_size, cfg.block_size - 1))
+    assert f"--speculative-algorithm {algorithm} --speculative-draft-model-path out/drafter" in text
+    assert f"--speculative-num-draft-tokens {verify}" in text
+    spec = json.loads(text.split("--speculative-config '")[1].split("'")[0])
+    assert spec == {"method": method, "model": "out/drafter", "num_speculative_tokens": drafted}
+    assert ("unquantized" in text) == (case == "dflash2")
+    # without run details the export still has a card, named after the target's config
+    plain = save_drafter(random_drafter(cfg), cfg, tmp_path / "p", tc) / "README.md"
+    assert plain.read_text().startswith("---\nbase_model: ")
 
 @pytest.mark.parametrize("case", ["dflash2", "sliding", "dspark"])
 def test_transformers_assistant_refuses_what_it_cannot_run(tmp_path, case):

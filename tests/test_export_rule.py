@@ -3,6 +3,8 @@ reruns the export (and what reads the drafter), never the warm chain or training
 
 from __future__ import annotations
 
+import json
+
 from conftest import REPO, planned_after_edit, snakemake
 
 NOT_RERUN = {"warm_slot", "train", "tokenize", "expand_shard", "tiny_target", "prompts"}
@@ -11,7 +13,7 @@ READ_THE_DRAFTER = {"export", "evaluate", "tables", "plots", "all"}
 
 def test_an_export_code_edit_reruns_the_export_only(mini_copy):
     work, cfg = mini_copy
-    for module in ("drafter/export.py", "drafter/hf_modeling.py"):
+    for module in ("drafter/export.py", "drafter/hf_modeling.py", "drafter/card.py"):
         planned = planned_after_edit(work, cfg, module)
         assert "export" in planned and not planned & NOT_RERUN, (module, planned)
         assert planned <= READ_THE_DRAFTER, (module, planned)
@@ -36,5 +38,14 @@ def test_an_export_code_edit_reruns_the_export_only(mini_copy):
     assert (r / "train/final.safetensors").read_bytes() == final
     assert (r / "train/metrics.csv").read_bytes() == metrics and (r / "logs/train/rank0.log").read_bytes() == rank_log
     assert "exported the drafter (step 6, dflash2)" in (r / "logs/export/export.log").read_text()
+    # the model card beside the weights: the target, the recipe, the data's size, the run's held-out figures
+    card = (r / "drafter/README.md").read_text()
+    stats = json.loads((r / "tokenized/stats.json").read_text())
+    summary = json.loads((r / "train/summary.json").read_text())
+    assert "base_model: model" in card and "`results/target/model`" in card and "license: apache-2.0" in card
+    assert "| architecture | `dflash2` |" in card and "| block size | 4 (3 drafted tokens per block) |" in card
+    assert f"{stats['samples']} samples, {stats['tokens']} tokens" in card
+    assert f"| steps | {summary['steps']} " in card and f"{summary['heldout_acc']:.4f}" in card
+    assert "--speculative-algorithm DFLASH" in card and '"num_speculative_tokens": 3' in card
     # the export ships the modeling file its config names
     assert (r / "drafter/dflash.py").read_text() == (REPO / "workflow/dflashpipe/drafter/hf_modeling.py").read_text()

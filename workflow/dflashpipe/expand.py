@@ -352,8 +352,8 @@ def _open_openai(target_path: str, s: ExpandSettings, device: str, server: Serve
 
 
 #: the batched backend's decode step. compiled: Inductor fuses each layer's small ops before the CUDA-graph
-#: capture (measured at Qwen3-8B shapes: 12.2 vs 16.8 ms with 256 rows busy, 6.3 vs 10.0 ms with 8; compiling
-#: takes ~2.5 min per job there, ~20 s for the tiny target). static: captured as is. auto: compiled on a GPU
+#: capture: shorter steps for a compile per shape (figures: docs/decoding.md). static: captured as is.
+#: auto: compiled on a GPU
 DECODE_STEPS = ("auto", "compiled", "static")
 
 # expand.backend -> opener(target_path, settings, device, server, log) -> generate(rows, chunk_seed, progress)

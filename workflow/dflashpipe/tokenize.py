@@ -155,9 +155,8 @@ def tokenize_expanded(
 
     ``reply_ids`` (``tokenize.reply_ids``): ``text`` trains on the re-tokenized reply text and
     counts the replies whose generated ids differ; ``generated`` uses the generated ids for them
-    where the template renders the reply verbatim. (On the embedded default, 10% of the replies
-    differ, and training on their generated ids lowered held-out accuracy 0.800 -> 0.772 and
-    DFlash tau on held-out math 5.29 -> 4.59: hence ``text`` by default.)
+    where the template renders the reply verbatim. ``text`` is the default because it trained the
+    better drafter (measured: docs/design.md).
     """
     import datasets
     from tqdm import tqdm

@@ -18,7 +18,7 @@ from dflashpipe.wiring import Pipeline
 # the jobs (new Python processes) import this checkout's library, not an installed one
 pin_code(REPO / "workflow")
 # the jobs' OpenMP threads sleep while they wait instead of spinning: where other work shares the
-# cores (a laptop, two jobs at once), spinning threads made a training step 1.8x slower
+# cores (a laptop, two jobs at once), spinning threads slow a training step (docs/results-cpu.md)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _config_source = ", ".join(str(f) for f in workflow.configfiles) or "config"

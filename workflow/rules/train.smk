@@ -37,6 +37,9 @@ rule export:
     input:
         final=paths.train_final,
         target_id=paths.target_id,
+        # what the model card tells of the run: its held-out figures and the data's size
+        summary=paths.train_summary,
+        stats=paths.tokenized_stats,
         code=pipeline.lib_code("export.py"),
     output:
         drafter=directory(paths.drafter),
@@ -49,5 +52,6 @@ rule export:
     threads: 1
     params:
         target=pipeline.target_dir(),
+        datasets={n: config["datasets"][n] for n in pipeline.datasets_for("train")},
     script:
         "../scripts/export.py"

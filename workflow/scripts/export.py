@@ -2,4 +2,6 @@ from dflashpipe.drafter.export import export_final
 from dflashpipe.runtime import job
 
 with job(snakemake.log[0], threads=snakemake.threads, name="export") as log:
-    export_final(snakemake.input.final, snakemake.params.target, snakemake.output.drafter, log=log)
+    run = {"target": snakemake.params.target, "datasets": snakemake.params.datasets,
+           "stats": snakemake.input.stats, "summary": snakemake.input.summary}
+    export_final(snakemake.input.final, snakemake.params.target, snakemake.output.drafter, log=log, run=run)

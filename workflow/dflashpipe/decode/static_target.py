@@ -1,8 +1,8 @@
 """The target's decode step near the hardware at batch 1: a static KV cache and CUDA graphs.
 
-At batch 1 a target forward reads every weight once (16 GB for Qwen3-8B, ~3.4 ms
-at 4.8 TB/s), but an eager forward with a growing ``DynamicCache`` launches a
-few hundred kernels from Python and spends ~10x that. Here:
+At batch 1 a target forward reads every weight once, but an eager forward with a
+growing ``DynamicCache`` launches a few hundred kernels from Python and spends several
+times the weights' read time (docs/decoding.md). Here:
 
 * the KV cache is one preallocated buffer per layer (:class:`StaticKV`), written
   in place at the step's positions; the attention mask lets position ``p`` see
@@ -17,10 +17,8 @@ The layers are the model's own modules: Llama, Qwen2 and Qwen3 layers are writte
 same weights, views of one matrix), any other decoder with the standard layout and full
 attention runs its HF layer modules; only the cache object differs, so the numbers are
 the model's. With ``compile`` the captured steps are compiled first (Inductor fuses each
-layer's elementwise work: fewer, larger kernels in the graph). Measured at Qwen3-8B shapes
-on an H200 (batch 1, ms per AR token): eager-launched 9.1, compiled HF layers 6.07,
-compiled written-out fused layers 5.05 (76% of the weights' memory-bound time; 484 GPU
-kernels per token instead of 781). The prefill (variable length) runs the same step
+layer's elementwise work: fewer, larger kernels in the graph; the time per token of each:
+docs/decoding.md). The prefill (variable length) runs the same step
 uncaptured. On the CPU nothing is captured (the static cache still runs, which is
 how the tests compare it with the dynamic path).
 

@@ -26,6 +26,7 @@ Directory:
 * ``dflash.py``: the remote code ``auto_map`` names, a copy of
   :mod:`dflashpipe.drafter.hf_modeling` (torch + transformers only), so
   ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` loads the export.
+* ``README.md``: the model card (:mod:`.card`): target, recipe, data, training figures, serving lines.
 * ``model.safetensors``: exactly the keys of
   :func:`dflashpipe.drafter.model.expected_state_shapes` (no ``model.`` prefix,
   no embedding / LM head, no biases but DSpark's confidence head's), floating point. A published
@@ -48,6 +49,7 @@ from dflashpipe.atomic import atomic_path
 from dflashpipe.errors import UserError
 
 from . import hf_modeling
+from .card import CARD_NAME, model_card
 from .model import DFlashDrafter, DrafterConfig, default_target_layer_ids, expected_state_shapes
 
 CONFIG_NAME = "config.json"
@@ -162,12 +164,14 @@ def save_drafter(
     out_dir: str | os.PathLike,
     target_config=None,
     dtype: torch.dtype | None = None,
+    card: str | None = None,
 ) -> Path:
     """Write the checkpoint directory atomically; returns its path.
 
     ``dtype`` casts the saved weights (e.g. ``torch.bfloat16``); default: as in
     the model. ``target_config`` (optional) supplies bos/eos/pad ids and is
-    checked against ``cfg``.
+    checked against ``cfg``. ``card``: the model card's text (default: one that
+    knows only ``cfg`` and the target's name).
     """
     if target_config is not None:
         th = getattr(target_config, "hidden_size", cfg.hidden_size)
@@ -198,6 +202,9 @@ def save_drafter(
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         shutil.copyfile(hf_modeling.__file__, tmp / CODE_NAME)
+        if card is None:
+            card = model_card(cfg, target=getattr(target_config, "_name_or_path", "") or "the target")
+        (tmp / CARD_NAME).write_text(card)
     return out_dir
 
 
@@ -346,13 +353,15 @@ def load_drafter(
 
 
 def export_final(final_state: str | os.PathLike, target_dir: str | os.PathLike, out_dir: str | os.PathLike,
-                 log=print) -> Path:
+                 log=print, run: dict | None = None) -> Path:
     """The export rule: write the drafter export ``out_dir`` from a training run's final weights.
 
     ``final_state``: the safetensors file the train job publishes (the drafter's state dict, as
     trained, with metadata ``drafter_config`` (JSON of :class:`DrafterConfig`) and ``export_dtype``
     (the training autocast dtype the export is cast to; empty: as stored)). ``target_dir``: the
-    target checkpoint (its bos/eos/pad ids go into config.json; its shapes are checked).
+    target checkpoint (its bos/eos/pad ids go into config.json; its shapes are checked). ``run``: what
+    the model card tells of the run: ``target`` (its name as configured), ``datasets`` (the training
+    datasets' specs) and the paths ``stats`` (tokenized/stats.json) and ``summary`` (train/summary.json).
     """
     from safetensors import safe_open
     from transformers import AutoConfig
@@ -374,6 +383,19 @@ def export_final(final_state: str | os.PathLike, target_dir: str | os.PathLike, 
     target_config = AutoConfig.from_pretrained(str(target_dir))
     if hasattr(target_config, "get_text_config"):
         target_config = target_config.get_text_config()
-    out = save_drafter(model, cfg, out_dir, target_config=target_config, dtype=dtype)
+    run = run or {}
+    card = model_card(cfg, target=run.get("target") or str(target_dir), datasets=run.get("datasets"),
+                      stats=_read_json(run.get("stats")), summary=_read_json(run.get("summary")), drafter=str(out_dir))
+    out = save_drafter(model, cfg, out_dir, target_config=target_config, dtype=dtype, card=card)
     log(f"exported the drafter (step {meta.get('step', '?')}, {cfg.arch}) to {out}")
     return out
+
+
+def _read_json(path) -> dict:
+    """A JSON file's object, or an empty one for no path."""
+    if not path:
+        return {}
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path}: cannot read it for the model card ({err})") from None

@@ -70,11 +70,9 @@ class EvalSettings:
 
     ``cudnn_sdpa=False`` turns PyTorch's cuDNN attention backend off while the evaluation runs
     (restored afterwards): it builds an execution plan the first time it sees each (query
-    length, key length) pair. Seen on an H200 (torch 2.11, micro target, 3 prompts): the methods
-    that met new context lengths first (DFlash, AR) ran 6-8x slower than on a second pass while
-    the ones after them did not, an order bias no single warm-up prompt removes; with cuDNN
-    attention off the first pass was within about 2x (the rest is other first-use costs).
-    Flash / memory-efficient attention plan nothing per shape.
+    length, key length) pair, which slows whichever method meets a new context length first: an
+    order bias no single warm-up prompt removes (measured: docs/decoding.md). Flash /
+    memory-efficient attention plan nothing per shape.
     """
 
     JOB_KEYS = ("threads",)  # the job's threads
