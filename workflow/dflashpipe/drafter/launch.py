@@ -162,7 +162,9 @@ def launch(command: list[str], rank_logs: list[str], log=print, *, nodes: int = 
             elastic_launch(config, command[0])(*command[1:])
     except ChildFailedError as err:
         codes = {int(r): f.exitcode for r, f in err.failures.items()}
-        r = _culprit(sorted(codes), codes, rank_logs, starts)
+        # the agent lists the ranks it stopped (SIGTERM) after the failure too: the cause is among the others
+        failed = sorted(r for r, c in codes.items() if c != -signal.SIGTERM) or sorted(codes)
+        r = _culprit(failed, codes, rank_logs, starts)
         raise UserError(
             f"train rank {r} of {len(rank_logs)} failed (exit code {codes[r]}), the other ranks were stopped: "
             f"{_error_line(rank_logs[r], starts[r])}  [log: {rank_logs[r]}]"
