@@ -7,6 +7,7 @@ import contextlib
 import io
 import os
 import re
+import stat
 import sys
 import time
 
@@ -110,8 +111,10 @@ def job(log_path: str | None, threads: int = 1, name: str = "job"):
     terminal = os.fdopen(os.dup(2), "w")
     _console = terminal
     inherited = os.environ.pop(CONSOLE_ENV, None)
-    if inherited:
-        with contextlib.suppress(OSError):  # the job's console is gone (or cannot be opened again): the log only
+    # the job's terminal or pipe, opened again; not a plain file (this process's writes would not follow the
+    # job's offset in it), nor one that is gone: then the log only
+    with contextlib.suppress(OSError):
+        if inherited and not stat.S_ISREG(os.stat(inherited).st_mode):
             _console = open(inherited, "w")
     if log_path:
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
