@@ -101,23 +101,23 @@ def _log_sizes(paths: list[str]) -> dict[int, int]:
     return {r: (os.path.getsize(p) if os.path.exists(p) else 0) for r, p in enumerate(paths)}
 
 
+def _set_environ(values: dict[str, str | None]) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @contextlib.contextmanager
 def _environ(**values: str | None):
     """``os.environ`` with ``values`` set (None: removed) for the duration: what the agent's ranks inherit."""
     old = {k: os.environ.get(k) for k in values}
     try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _set_environ(values)
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _set_environ(old)
 
 
 def launch(command: list[str], rank_logs: list[str], log=print, *, nodes: int = 1, node: int = 0,
@@ -244,19 +244,28 @@ def run_nodes(spec_path: str, spec: dict, log=print) -> None:
             f"train node {task} of {nodes} ({host}) was lost: its launcher ended ({how}); the ranks of every node "
             f"were stopped, and a rerun resumes from the run's last checkpoint  [log: {node_logs[int(task)]}]"
         )
-    for r, path in enumerate(rank_logs):
-        line = _error_line(path, rank_starts[r])
-        if line.startswith("ERROR:"):
-            raise UserError(
-                f"train rank {r} of {len(rank_logs)} (node {r // per_node}, {hosts[r // per_node]}) failed, the ranks "
-                f"of every node were stopped: {line}  [log: {path}]"
-            )
-    for k, path in enumerate(node_logs):
-        line = _error_line(path, node_starts[k])
-        if line.startswith("ERROR:"):
-            raise UserError(f"train node {k} of {nodes} ({hosts[k]}) failed: {line.removeprefix('ERROR: ')}")
+    failed = _first_error(rank_logs, rank_starts)
+    if failed:
+        r, line = failed
+        raise UserError(
+            f"train rank {r} of {len(rank_logs)} (node {r // per_node}, {hosts[r // per_node]}) failed, the ranks "
+            f"of every node were stopped: {line}  [log: {rank_logs[r]}]"
+        )
+    failed = _first_error(node_logs, node_starts)
+    if failed:
+        k, line = failed
+        raise UserError(f"train node {k} of {nodes} ({hosts[k]}) failed: {line.removeprefix('ERROR: ')}")
     first = " ".join(reports[0]) if reports else f"srun exit code {proc.returncode}"
     raise UserError(f"train: srun of the {nodes} node launchers failed ({first}): {proc.stderr.strip()[-200:]}")
+
+
+def _first_error(logs: list[str], starts: dict[int, int]) -> tuple[int, str] | None:
+    """The first of ``logs`` with an ERROR line in this attempt's part, and the line."""
+    for i, path in enumerate(logs):
+        line = _error_line(path, starts[i])
+        if line.startswith("ERROR:"):
+            return i, line
+    return None
 
 
 def _die_with_parent(sig: int):
