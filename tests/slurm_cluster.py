@@ -10,7 +10,7 @@ reads job states with squeue).
 Everything it starts dies with the test process (``PR_SET_PDEATHSIG``) and is removed when the
 ``cluster`` context ends; a run killed before that is cleaned up by the next one (the namespaces, the
 bridge and ``/etc/slurm/*.conf`` carry this module's names and marker). One cluster at a time on a
-machine: a second test run waits for the first (a lock file).
+machine: a second test run waits for the first (an flock on ``/etc/slurm``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "srun", "ip", "nsenter", "unshare")
 MARKER = "# written by tests/slurm_cluster.py (removed when the test ends)\n"
 BRIDGE, SUBNET = "dflashbr0", "198.18.0"
-LOCK = Path("/run/lock/dflashpipe-slurm-test.lock")
+SYSTEM_CONF = Path("/etc/slurm")  # where srun inside a job reads its config; also the lock of one cluster at a time
 PORTS = {"SlurmctldPort": 6917, "SlurmdPort": 6918}
 GPUS_PER_NODE = 2
 
@@ -135,18 +135,22 @@ def wait_for(check, timeout_s: float, what: str, logs: list[Path] = ()) -> None:
 
 @contextlib.contextmanager
 def _machine_lock(timeout_s: float = 3600):
-    LOCK.parent.mkdir(parents=True, exist_ok=True)
-    with open(LOCK, "w") as f:
+    """One cluster at a time on this machine: an flock on the system's SLURM config folder (no file left behind)."""
+    SYSTEM_CONF.mkdir(parents=True, exist_ok=True)
+    fd = os.open(SYSTEM_CONF, os.O_RDONLY)
+    try:
         deadline = time.time() + timeout_s
         while True:
             try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except OSError:
                 if time.time() > deadline:
-                    raise Unavailable(f"another SLURM test run held {LOCK} for {timeout_s:.0f} s") from None
+                    raise Unavailable(f"another SLURM test run held {SYSTEM_CONF} for {timeout_s:.0f} s") from None
                 time.sleep(1)
         yield
+    finally:
+        os.close(fd)
 
 
 def _write_config(d: Path, nodes: int) -> Path:
@@ -183,7 +187,7 @@ def cluster(d: Path, nodes: int = 2):
     with _machine_lock():
         for sub in ("state", "spool", "log"):
             (d / sub).mkdir(parents=True, exist_ok=True)
-        system = [Path("/etc/slurm/slurm.conf"), Path("/etc/slurm/gres.conf")]
+        system = [SYSTEM_CONF / "slurm.conf", SYSTEM_CONF / "gres.conf"]
         for f in system:
             if f.exists() and not f.read_text(errors="replace").startswith(MARKER):
                 raise Unavailable(f"{f} exists (a configured SLURM installation): not touching it")
@@ -197,7 +201,6 @@ def cluster(d: Path, nodes: int = 2):
             # srun inside a job finds no SLURM_CONF (the executor's job step drops SLURM_* variables): it
             # reads the default /etc/slurm/slurm.conf, written here and removed again
             for f in system:
-                f.parent.mkdir(parents=True, exist_ok=True)
                 f.write_text(MARKER + (d / f.name).read_text())
             munged = _munge()
             started += [munged] if munged else []
