@@ -60,13 +60,14 @@ def test_script_job_runs_the_planning_checkouts_code(tmp_path):
 
 
 def _launch_one_rank(py_launcher: Path, rank_py: Path, log: Path, code_env: str | None, path: str | None = None) -> str:
-    """Run launch() with one rank that enters a job and prints the library it runs; launch's outcome."""
+    """Run launch() with one rank that enters a job (logging to ``log``) and prints the library it runs;
+    launch's outcome."""
     rank_code = ("import dflashpipe\nfrom dflashpipe.runtime import job\n"
-                 "with job(None, name='rank 0'):\n    print('RANK RAN', dflashpipe.__file__)\n")
+                 f"with job({str(log)!r}, name='rank 0'):\n    print('RANK RAN', dflashpipe.__file__)\n")
     driver = (
         "from dflashpipe.drafter.launch import launch\nfrom dflashpipe.errors import UserError\n"
         "try:\n"
-        f"    launch([[{str(rank_py)!r}, '-c', {rank_code!r}]], [{str(log)!r}], log=lambda m: None)\n"
+        f"    launch([{str(rank_py)!r}, '-c', {rank_code!r}], [{str(log)!r}], log=lambda m: None)\n"
         "    print('LAUNCH OK')\n"
         "except UserError as err:\n    print('LAUNCH FAILED:', err)\n"
     )
@@ -108,9 +109,10 @@ def test_failed_rank_is_reported_with_this_attempts_error_line(tmp_path):
 
     log = tmp_path / "rank0.log"
     log.write_text("[00:00:01] rank 0: start\nERROR: an earlier attempt's failure\n")
-    crash = "import sys; print('step 3'); print('Segmentation fault in the kernel', file=sys.stderr); sys.exit(3)"
+    crash = (f"import sys; log = open({str(log)!r}, 'a'); print('step 3', file=log); "
+             "print('Segmentation fault in the kernel', file=log); log.close(); sys.exit(3)")
     with pytest.raises(UserError) as err:
-        launch([[sys.executable, "-c", crash]], [str(log)], log=lambda m: None)
+        launch([sys.executable, "-c", crash], [str(log)], log=lambda m: None)
     msg = str(err.value)
     assert "earlier attempt" not in msg, msg
     assert "Segmentation fault in the kernel" in msg and "exit code 3" in msg, msg

@@ -1,18 +1,22 @@
-"""The pipeline on a real one-node SLURM cluster, through Snakemake's executor plugin.
+"""The training job on a real SLURM cluster of two nodes, through Snakemake's executor plugin.
 
-The fixture installs SLURM and munge with apt-get if they are missing (as root; CI runs as root),
-starts munged, slurmctld and slurmd on this machine as a one-node cluster with two fake GPUs
-(a `gpu` GRES of two plain files instead of devices, so `--gpus=2` jobs are scheduled on a CPU-only
-machine), runs the mini pipeline with `--executor slurm`, and stops every daemon it started. Where
-the daemons cannot start, the test is skipped with the reason printed.
+``tests/slurm_cluster.py`` starts slurmctld and two slurmd, each node in its own network namespace
+with its own hostname and address, two fake GPUs each (scripts/test.sh installs slurm-wlm and munge
+as root). Each test starts from a copy of the mini run (conftest) whose earlier stages are done
+locally, so ONE job goes through sbatch: the training job. On one node its two gloo ranks run side by
+side; on two nodes the job starts one launcher per node with srun, one rank each, meeting at the
+first node's address. Where the cluster cannot start (not root, SLURM not installed, a configured
+SLURM on the machine) the tests skip with the reason; scripts/test.sh, as root (CI), makes that a
+failure (DFLASH_REQUIRE_SLURM=1).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-import socket
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -20,169 +24,176 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from conftest import mini_config, snakemake, snakemake_env, write_config
+import slurm_cluster
+from conftest import mini_config, snakemake, snakemake_cmd, snakemake_env, write_config
 
-DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol")
-
-
-MARKER = "# written by tests/test_slurm.py (removed when the test ends)\n"
+FAULT_STEP = 3  # rank 1 parks at the start of step 3 (checkpoint_every is 2): the rerun resumes from step 2
 
 
 def _skip(reason: str):
-    """Skip with the reason printed; CI sets DFLASH_REQUIRE_SLURM=1, which makes it a failure."""
+    """Skip with the reason printed; DFLASH_REQUIRE_SLURM=1 makes it a failure."""
     print(f"SKIP test_slurm: {reason}")
     if os.environ.get("DFLASH_REQUIRE_SLURM") == "1":
         pytest.fail(f"SLURM test required (DFLASH_REQUIRE_SLURM=1) but: {reason}")
     pytest.skip(reason)
 
 
-def _die_with_pytest():
-    """A pre-exec function: the daemon gets SIGKILL if pytest dies (a CI time-out leaves nothing running)."""
-    import ctypes
-    import signal
-
-    prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    return lambda: prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _install() -> None:
-    """apt-get the cluster software if a daemon is missing (root only; a few minutes, once)."""
-    if all(shutil.which(d) for d in DAEMONS):
-        return
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        _skip("SLURM is not installed and this user cannot apt-get it (run as root, or install slurm-wlm and munge)")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "slurm-wlm", "munge"]):
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        if res.returncode != 0:
-            _skip(f"{' '.join(cmd)} failed: {(res.stderr or res.stdout).strip().splitlines()[-1:]}")
-
-
-def _node_line() -> str:
-    """`NodeName=... CPUs=... RealMemory=...` as slurmd sees this machine (a node that claims more is drained)."""
-    out = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, timeout=60).stdout
-    line = next((ln for ln in out.splitlines() if ln.startswith("NodeName=")), None)
-    if line is None:
-        _skip(f"slurmd -C printed no node line: {out[-300:]}")
-    return line
-
-
-def _wait(check, timeout_s: float, what: str, logs: list[Path]) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if check():
-            return
-        time.sleep(1)
-    tails = " | ".join(f"{p.name}: {p.read_text(errors='replace')[-300:]}" for p in logs if p.exists())
-    _skip(f"{what} within {timeout_s:.0f} s ({tails})")
-
-
 @pytest.fixture(scope="module")
-def slurm_cluster(tmp_path_factory):
-    _install()
-    if os.geteuid() != 0:
-        _skip("starting slurmctld/slurmd needs root")
-    d = tmp_path_factory.mktemp("slurm")
-    for sub in ("state", "spool", "log"):
-        (d / sub).mkdir()
-    host = socket.gethostname()
-    node = _node_line().split()
-    node = [kv for kv in node if kv.split("=")[0] in ("NodeName", "CPUs", "RealMemory", "Boards", "SocketsPerBoard",
-                                                       "CoresPerSocket", "ThreadsPerCore")]
-    conf = d / "slurm.conf"
-    conf.write_text("\n".join([
-        "ClusterName=dflashtest", f"SlurmctldHost={host}", "SlurmUser=root", "AuthType=auth/munge",
-        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_Core_Memory", "ReturnToService=2", "MinJobAge=600", "GresTypes=gpu",
-        f"StateSaveLocation={d / 'state'}", f"SlurmdSpoolDir={d / 'spool'}",
-        f"SlurmctldPidFile={d / 'slurmctld.pid'}", f"SlurmdPidFile={d / 'slurmd.pid'}",
-        f"SlurmctldLogFile={d / 'log/slurmctld.log'}", f"SlurmdLogFile={d / 'log/slurmd.log'}",
-        "SlurmctldPort=6917", "SlurmdPort=6918",
-        " ".join(node) + " Gres=gpu:2 State=UNKNOWN",
-        "PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP", ""]))
-    for i in range(2):  # fake GPUs: plain files (slurmd logs that they are no devices and schedules them)
-        (d / f"fakegpu{i}").touch()
-    (d / "gres.conf").write_text(f"NodeName={host} Name=gpu File={d}/fakegpu[0-1]\n")
-    env = dict(os.environ, SLURM_CONF=str(conf))
-    # srun inside a job finds no SLURM_CONF (the plugin's job step drops SLURM_* variables): it
-    # reads the default /etc/slurm/slurm.conf, which this test writes and removes again
-    system_conf = Path("/etc/slurm")
-    existing = system_conf / "slurm.conf"
-    if existing.exists() and not existing.read_text(errors="replace").startswith(MARKER):
-        _skip("/etc/slurm/slurm.conf exists (a configured SLURM installation): not touching it")
-    placed, started = [], []
-    logs = [d / "log/slurmctld.log", d / "log/slurmd.log"]
+def slurm(tmp_path_factory):
     try:
-        system_conf.mkdir(parents=True, exist_ok=True)
-        for name in ("slurm.conf", "gres.conf"):  # (a copy left by a killed run of this test is taken over)
-            (system_conf / name).write_text(MARKER + (d / name).read_text())
-            placed.append(system_conf / name)
-        if subprocess.run(["bash", "-c", "munge -n | unmunge"], capture_output=True).returncode != 0:
-            key = Path("/etc/munge/munge.key")
-            if not key.exists():
-                key.parent.mkdir(parents=True, exist_ok=True)
-                key.write_bytes(os.urandom(1024))
-            shutil.chown(key, "munge", "munge")
-            key.chmod(0o400)
-            Path("/run/munge").mkdir(parents=True, exist_ok=True)
-            shutil.chown("/run/munge", "munge", "munge")
-            started.append(subprocess.Popen(["munged", "--foreground"], user="munge", group="munge",
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                            preexec_fn=_die_with_pytest()))
-            _wait(lambda: subprocess.run(["bash", "-c", "munge -n | unmunge"], capture_output=True).returncode == 0,
-                  30, "munged did not start", [])
-        for daemon in ("slurmctld", "slurmd"):
-            started.append(subprocess.Popen([daemon, "-D", "-f", str(conf)], env=env, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL, preexec_fn=_die_with_pytest()))
-            time.sleep(2)
-
-        def idle() -> bool:
-            res = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True)
-            return res.returncode == 0 and res.stdout.strip() in ("idle", "mixed")
-
-        _wait(idle, 60, "the node did not become idle", logs)
-        yield env
-    finally:
-        if len(started) >= 2:  # jobs of a failed run: cancelled, and gone, before the daemons stop
-            subprocess.run(["scancel", "--full", "--user", "root"], env=env, capture_output=True)
-            deadline = time.time() + 60
-            while time.time() < deadline and subprocess.run(["squeue", "-h"], env=env, capture_output=True,
-                                                             text=True).stdout.strip():
-                time.sleep(1)
-        for f in placed:
-            f.unlink(missing_ok=True)
-        for p in reversed(started):
-            p.terminate()
-        for p in reversed(started):
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        with slurm_cluster.cluster(tmp_path_factory.mktemp("slurm"), nodes=2) as env:
+            yield env
+    except slurm_cluster.Unavailable as err:
+        _skip(str(err))
 
 
-@pytest.mark.slow  # ~7 min on 2 cores: every job through sbatch (bash scripts/test.sh -m slow)
-def test_the_mini_pipeline_on_slurm_equals_a_local_run(slurm_cluster, mini_run, tmp_path):
-    """Every job goes through sbatch; the training job holds both fake GPUs and runs its two gloo
-    ranks together (co-scheduled by construction: one job); the drafter equals the local run's."""
+def slurm_env(cluster_env: dict, **extra: str) -> dict:
+    # the ranks' gloo sockets on the namespaces' addresses (their hostnames resolve nowhere)
+    return snakemake_env(SLURM_CONF=cluster_env["SLURM_CONF"], GLOO_SOCKET_IFNAME="eth0", **extra)
+
+
+def through_slurm(work: Path, cfg: Path, env: dict, timeout: int = 900) -> subprocess.CompletedProcess:
+    """The training job's outputs through sbatch (everything before it is done)."""
+    return snakemake(work, "results/train/final.safetensors", "--executor", "slurm", "--jobs", "1",
+                     "--latency-wait", "10", "--slurm-status-command", "squeue",
+                     "--slurm-init-seconds-before-status-checks", "2", "--slurm-keep-successful-logs",
+                     "--default-resources", "mem_mb=400", "runtime=30", "--configfile", str(cfg),
+                     env=env, timeout=timeout)
+
+
+def job_logs(work: Path) -> list[Path]:
+    return sorted((work / ".snakemake/slurm_logs").rglob("*.log"))
+
+
+def explain(res: subprocess.CompletedProcess, work: Path) -> str:
+    return res.stderr[-3000:] + "".join(f"\n{p}: {p.read_text(errors='replace')[-1500:]}" for p in job_logs(work))
+
+
+def fresh_run(mini_copy, cfg_changes: dict | None = None) -> tuple[Path, Path]:
+    """A copy of the mini run without its training run; ``cfg_changes`` (per section) applied, and every
+    stage before training done locally."""
+    work, _ = mini_copy
+    cfg = mini_config()
+    for section, values in (cfg_changes or {}).items():
+        cfg[section].update(values)
+    path = write_config(work / "slurm.yaml", cfg)
+    shutil.rmtree(work / "results/train")
+    stamps = [f"results/warm/slot{i}.json" for i in range(cfg["gpu"]["slots"])]
+    res = snakemake(work, *stamps, "--cores", "2", "--configfile", str(path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    return work, path
+
+
+def max_diff(a: Path, b: Path) -> float:
+    x, y = load_file(a), load_file(b)
+    assert x.keys() == y.keys()
+    return max((x[k] - y[k]).abs().max().item() for k in x)
+
+
+def rank_log(work: Path, k: int) -> str:
+    return (work / f"results/logs/train/rank{k}.log").read_text()
+
+
+def rank_host(work: Path, k: int) -> str:
+    """The host rank k ran on (its log's ``rank k = node n on HOST, slot s`` line)."""
+    return re.search(rf"rank {k} = node \d+ on (\S+), slot", rank_log(work, k)).group(1)
+
+
+TWO_NODES = {"gpu": {"slots": 1}, "train": {"shards": 1, "nodes": 2}}
+
+
+def test_one_node_two_ranks_through_sbatch_equal_a_local_run(slurm, mini_run, mini_copy):
+    """ONE sbatch job holds both fake GPUs of a node and runs the two gloo ranks together; its drafter is
+    the local run's."""
     ref, _ = mini_run
-    work = tmp_path / "wf"
-    work.mkdir()
-    cfg = write_config(work / "config.yaml", mini_config())
-    env = snakemake_env(SLURM_CONF=slurm_cluster["SLURM_CONF"])
-    res = snakemake(work, "--executor", "slurm", "--jobs", "2", "--latency-wait", "10",
-                    "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "3",
-                    "--slurm-keep-successful-logs", "--default-resources", "mem_mb=400", "runtime=30",
-                    "--configfile", str(cfg), env=env, timeout=2400)
-    logs = work / ".snakemake/slurm_logs"
-    assert res.returncode == 0, res.stderr[-4000:] + "".join(
-        f"\n{p}: {p.read_text(errors='replace')[-800:]}" for p in sorted(logs.rglob("*.log"))[-3:])
-    assert len(list((logs / "rule_train").rglob("*.log"))) == 1  # ONE sbatch job for both ranks
-    r = work / "results"
-    s = json.loads((r / "train/summary.json").read_text())
+    work, cfg = fresh_run(mini_copy)
+    t0 = time.time()
+    res = through_slurm(work, cfg, slurm_env(slurm))
+    print(f"one node, 2 ranks through sbatch: {time.time() - t0:.0f} s")
+    assert res.returncode == 0, explain(res, work)
+    assert [p.parent.name for p in job_logs(work)] == ["rule_train"]  # one job through sbatch
+    s = json.loads((work / "results/train/summary.json").read_text())
     assert s["world_size"] == 2 and max(x["started_at"] for x in s["ranks"]) < min(x["finished_at"] for x in s["ranks"])
-    a, b = load_file(r / "drafter/model.safetensors"), load_file(ref / "results/drafter/model.safetensors")
-    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-6
-    assert json.loads((r / "eval/math_heldout.summary.json").read_text())["lossless"]["passed"]
-    assert (r / "plots/tau_speedup.png").stat().st_size > 5000
-    assert subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True).stdout.strip() == ""
+    hosts = {rank_host(work, k) for k in range(2)}
+    assert len(hosts) == 1 and hosts <= {"n1", "n2"}, hosts  # both ranks on one node of the cluster
+    assert max_diff(work / "results/train/final.safetensors", ref / "results/train/final.safetensors") <= 1e-6
+    assert subprocess.run(["squeue", "-h"], env=slurm, capture_output=True, text=True).stdout.strip() == ""
+
+
+def test_two_nodes_one_rank_each_train_the_one_node_drafter(slurm, mini_run, mini_copy):
+    """train.nodes: 2, one rank per node: ONE sbatch job of two nodes; srun starts a launcher on each, whose
+    torch elastic agents meet at n1's address; rank 0 on n1, rank 1 on n2; the drafter equals the local
+    one-node run of 2 ranks (same global batches; only the all-reduce's summation order can differ)."""
+    ref, _ = mini_run
+    work, cfg = fresh_run(mini_copy, TWO_NODES)
+    t0 = time.time()
+    res = through_slurm(work, cfg, slurm_env(slurm))
+    print(f"two nodes x 1 rank through sbatch: {time.time() - t0:.0f} s")
+    assert res.returncode == 0, explain(res, work)
+    assert [p.parent.name for p in job_logs(work)] == ["rule_train"]
+    assert [rank_host(work, k) for k in range(2)] == ["n1", "n2"]
+    train_log = (work / "results/logs/train/train.log").read_text()
+    assert "2 nodes x 1 rank(s): n1 n2; rendezvous at 198.18.0.11:" in train_log
+    s = json.loads((work / "results/train/summary.json").read_text())
+    assert (s["world_size"], s["rank_batch"], s["steps"]) == (2, 2, 6)
+    diff = max_diff(work / "results/train/final.safetensors", ref / "results/train/final.safetensors")
+    print(f"two nodes vs one node, K=2: max |weight difference| {diff:.2e}")
+    assert diff <= 1e-5
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_killed_node_fails_the_job_in_one_line_and_the_rerun_resumes(slurm, mini_run, mini_copy, tmp_path):
+    """Node n2's launcher is SIGKILLed while its rank waits at step 3: its rank dies with it, srun stops
+    n1's, the job fails with ONE line naming the node; the same command then resumes from step 2 and
+    trains the same drafter."""
+    ref, _ = mini_run
+    work, cfg = fresh_run(mini_copy, TWO_NODES)
+    marker = tmp_path / "parked"
+    faults = {"DFLASH_FAULTS": json.dumps([{"at": "train.step", "step": FAULT_STEP, "rank": 1, "do": "park"}]),
+              "DFLASH_FAULT_MARKER": str(marker)}
+    t0 = time.time()
+    cmd = snakemake_cmd(work, "results/train/final.safetensors", "--executor", "slurm", "--jobs", "1",
+                        "--latency-wait", "10", "--slurm-status-command", "squeue",
+                        "--slurm-init-seconds-before-status-checks", "2", "--default-resources", "mem_mb=400",
+                        "runtime=30", "--configfile", str(cfg))
+    proc = subprocess.Popen(cmd, cwd=work, env=slurm_env(slurm, **faults), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 600
+    while not marker.exists():
+        assert proc.poll() is None and time.time() < deadline, explain(subprocess.CompletedProcess(
+            cmd, proc.returncode, *proc.communicate()), work)
+        time.sleep(0.5)
+    rank1 = json.loads(marker.read_text())["pid"]
+    launcher = _parent(rank1)
+    assert "dflashpipe.drafter.launch node" in Path(f"/proc/{launcher}/cmdline").read_text().replace("\0", " ")
+    os.kill(launcher, signal.SIGKILL)
+    out, err = proc.communicate(timeout=600)
+    print(f"two nodes, n2's launcher killed at step {FAULT_STEP}: the job failed after {time.time() - t0:.0f} s")
+    assert proc.returncode != 0
+    errors = [ln for ln in (work / "results/logs/train/train.log").read_text().splitlines() if ln.startswith("ERROR:")]
+    print(errors)
+    assert len(errors) == 1, errors
+    assert errors[0].startswith("ERROR: train node 1 of 2 (n2) was lost: its launcher ended (Killed)"), errors[0]
+    assert not any(Path("/proc", str(pid)).exists() for pid in (rank1, launcher))  # nothing left running
+    assert not (work / "results/train/summary.json").exists()
+
+    t0 = time.time()
+    res = through_slurm(work, cfg, slurm_env(slurm))
+    print(f"rerun: {time.time() - t0:.0f} s")
+    assert res.returncode == 0, explain(res, work)
+    assert f"resumed from step {FAULT_STEP - 1}" in rank_log(work, 0) and f"resumed from step {FAULT_STEP - 1}" in rank_log(work, 1)
+    assert max_diff(work / "results/train/final.safetensors", ref / "results/train/final.safetensors") <= 1e-5
+
+
+def test_several_nodes_outside_an_allocation_is_one_line(monkeypatch):
+    """train.nodes above 1 without SLURM: the training job stops before it leases or starts anything."""
+    from dflashpipe.drafter.launch import allocation
+    from dflashpipe.errors import UserError
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(UserError) as err:
+        allocation(2)
+    assert str(err.value).startswith("train.nodes is 2: the training job must run in a SLURM allocation of 2 nodes")

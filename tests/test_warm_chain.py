@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import yaml
 
 from conftest import REPO, mini_config, planned_rules, snakemake, write_config
 from dflashpipe.errors import UserError
@@ -29,24 +28,42 @@ def dag_edges(workdir, *args):
     return labels, edges
 
 
-def test_default_dag_chains_warm_slots_and_gates_every_shard(tmp_path):
-    cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
-    cfg["train"].update(shards=3, batch_size=6)
-    cfg["gpu"]["slots"] = 3  # the default has one (a CPU); a 3-GPU box names three
-    path = write_config(tmp_path / "c.yaml", cfg)
-    labels, edges = dag_edges(tmp_path, "--configfile", str(path))
+def shipped_config(workdir: Path) -> None:
+    """``config/config.yaml`` as shipped, where the Snakefile looks for it (relative to the working directory)."""
+    (workdir / "config").mkdir()
+    (workdir / "config/config.yaml").write_text((REPO / "config/config.yaml").read_text())
+
+
+def planned_job(workdir, rule: str, *args) -> str:
+    """The dry run's lines of the one planned job of ``rule`` (its inputs, log, threads, resources)."""
+    res = snakemake(workdir, "-n", *args)
+    assert res.returncode == 0, res.stderr[-2000:]
+    blocks = (res.stdout + res.stderr).split("\nrule ")
+    (block,) = [b for b in blocks if b.startswith(f"{rule}:")]
+    return block
+
+
+def test_the_gpus_of_the_command_are_the_slots_and_the_ranks_of_the_shipped_config(tmp_path):
+    """`--resources gpu=3` on the shipped config, unedited: 3 warm jobs in a chain, and ONE training job
+    of 3 ranks that waits for the whole chain; without --resources, one slot and one rank."""
+    shipped_config(tmp_path)
+    labels, edges = dag_edges(tmp_path, "--cores", "8", "--resources", "gpu=3")
     node = {}
     for n, label in labels.items():
         name = label.split("\n")[0]
-        slot = [line.split(": ")[1] for line in label.split("\n")[1:] if line.startswith(("slot: ", "shard: "))]
+        slot = [line.split(": ")[1] for line in label.split("\n")[1:] if line.startswith("slot: ")]
         node[(name, slot[0] if slot else None)] = n
     warm = [node[("warm_slot", str(i))] for i in range(3)]
+    assert ("warm_slot", "3") not in node
     assert (warm[0], warm[1]) in edges and (warm[1], warm[2]) in edges
     assert (warm[0], warm[2]) not in edges  # a chain, not a fan
-    train = node[("train", None)]  # ONE job runs the 3 shards together
-    assert not any(name.startswith("train_shard") for name, _ in node)
-    for w in warm:
-        assert (w, train) in edges, f"training does not wait for stamp {w}"
+    train = node[("train", None)]  # ONE job runs the 3 ranks together, once every stamp is there
+    assert all((w, train) in edges for w in warm)
+    job = planned_job(tmp_path, "train", "--cores", "8", "--resources", "gpu=3")
+    assert "gpu=3" in job and "rank2.log" in job and "rank3.log" not in job and "threads: 6" in job
+    job = planned_job(tmp_path, "train", "--cores", "8")  # no --resources gpu: the CPU's one slot
+    assert "gpu=1" in job and "rank0.log" in job and "rank1.log" not in job
+    assert "slot1" not in job
 
 
 def test_warm_jobs_never_overlap_and_shards_do(mini_run):
@@ -191,7 +208,28 @@ def test_too_few_gpu_slots_for_the_shards_is_refused_at_dag_time(mini_run):
     work, cfg = mini_run
     res = snakemake(work, "-n", "--configfile", str(cfg), "--resources", "gpu=1")
     assert res.returncode != 0
-    assert "train.shards is 2 but --resources gpu=1" in res.stderr
+    assert [ln for ln in res.stderr.splitlines() if "ERROR" in ln] == [
+        f"ERROR: {cfg}: train.shards is 2 but --resources gpu=1: the training job runs its 2 shards at once, one "
+        "GPU each; use --resources gpu=2 or more, or lower train.shards"]
+
+
+def test_the_gpu_count_comes_from_the_command_and_another_one_remakes_the_warm_chain(mini_run, tmp_path):
+    """The mini run trained 2 ranks (gpu.slots and train.shards written out). Left to the command, the
+    same 2 GPUs plan nothing; 4 (or, without --resources, this CPU machine's one slot) remake the warm
+    chain (other shapes per rank) and, as it is the training job's input, what follows it. A count that
+    cannot split the global batch is refused in one line, before anything runs."""
+    work, _ = mini_run
+    c = mini_config()
+    del c["gpu"]["slots"], c["train"]["shards"]
+    cfg = write_config(tmp_path / "from_the_command.yaml", c)
+    assert planned_rules(work, "--configfile", str(cfg), "--resources", "gpu=2") == {}
+    after = {"train": 1, "export": 1, "evaluate": 1, "tables": 1, "plots": 1, "all": 1}
+    assert planned_rules(work, "--configfile", str(cfg), "--resources", "gpu=4") == {"warm_slot": 4} | after
+    assert planned_rules(work, "--configfile", str(cfg)) == {"warm_slot": 1} | after
+    res = snakemake(work, "-n", "--configfile", str(cfg), "--resources", "gpu=3")
+    assert res.returncode != 0 and [ln for ln in res.stderr.splitlines() if "ERROR" in ln] == [
+        f"ERROR: {cfg}: train.batch_size (4) is the global batch of a step, split over train.shards (3); "
+        "make it a multiple of 3"]
 
 
 def test_next_slot_cache_is_seeded_from_the_previous_one(tmp_path):

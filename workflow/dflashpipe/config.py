@@ -167,8 +167,12 @@ def settings(cls, *sections: dict, **extra):
     return cls(**values)
 
 
-def validate_config(config: dict, schema_path: str, source: str = "config") -> dict:
-    """Fill defaults into ``config`` and validate it; raise a one-line UserError."""
+def validate_config(config: dict, schema_path: str, source: str = "config", gpus: int = 1,
+                    budget: int | None = None) -> dict:
+    """Fill defaults into ``config`` and validate it; raise a one-line UserError.
+
+    ``gpus``: the GPUs the run is given (:func:`run_gpus`), which the GPU counts left null default to;
+    ``budget``: ``--resources gpu=N`` when given (:func:`resolve_gpus`)."""
     schema = load_schema(str(schema_path))
     if not isinstance(config, dict):
         raise UserError(f"{source}: the config must be a mapping of keys to values")
@@ -178,7 +182,66 @@ def validate_config(config: dict, schema_path: str, source: str = "config") -> d
     if errors:
         raise UserError(f"{source}: {_message(errors[0])}")
     _check_references(config, source)
+    resolve_gpus(config, source, gpus, budget)
     return config
+
+
+#: The GPU count of the Snakemake process that planned the run (:func:`run_gpus`). Its cluster jobs re-read
+#: the Snakefile on other machines without ``--resources``; they find the count here (sbatch passes the
+#: environment on), so they plan what the planner did.
+RUN_GPUS_ENV = "DFLASHPIPE_RUN_GPUS"
+
+
+def run_gpus(budget, remote_job: bool) -> int:
+    """The GPUs this run is given: ``--resources gpu=N`` (``budget``); in a cluster job (``remote_job``), the
+    count its planner used; else the GPUs this machine shows (``CUDA_VISIBLE_DEVICES``, else all of them;
+    none: 1, the CPU). Recorded in the environment for the run's cluster jobs."""
+    from dflashpipe.lease import visible_gpus
+
+    recorded = os.environ.get(RUN_GPUS_ENV) if remote_job else None
+    n = budget if isinstance(budget, int) else int(recorded) if recorded else max(1, visible_gpus())
+    os.environ[RUN_GPUS_ENV] = str(n)
+    return n
+
+
+def allocation_nodes() -> int | None:
+    """The node count of the SLURM allocation this process runs in (None outside one)."""
+    value = os.environ.get("SLURM_JOB_NUM_NODES") or os.environ.get("SLURM_NNODES")
+    return int(value) if value and value.isdigit() else None
+
+
+def resolve_gpus(config: dict, source: str, gpus: int = 1, budget: int | None = None) -> None:
+    """Fill the GPU counts left null, then refuse, in one line, a combination that cannot work.
+
+    ``gpu.slots``: ``gpus`` (the run's GPUs, :func:`run_gpus`); ``train.shards`` (ranks per node):
+    ``gpu.slots``; ``train.nodes``: the SLURM allocation's node count, else 1. An explicit value wins.
+    A run of ``nodes x shards`` ranks splits the global batch over all of them; ``budget``
+    (``--resources gpu=N``, when given) must hold a node's shards.
+    """
+    gpu, train = config["gpu"], config["train"]
+    if gpu["slots"] is None:
+        gpu["slots"] = gpus
+    if train["shards"] is None:
+        train["shards"] = gpu["slots"]
+    if train["nodes"] is None:
+        train["nodes"] = allocation_nodes() or 1
+    shards, ranks = train["shards"], train["shards"] * train["nodes"]
+    if shards > gpu["slots"]:
+        raise UserError(
+            f"{source}: train.shards is {shards} but gpu.slots is {gpu['slots']}: every shard of a node needs its "
+            "own GPU slot (and warm stamp); raise gpu.slots or lower train.shards"
+        )
+    if budget is not None and budget < shards:
+        raise UserError(
+            f"{source}: train.shards is {shards} but --resources gpu={budget}: the training job runs its {shards} "
+            f"shards at once, one GPU each; use --resources gpu={shards} or more, or lower train.shards"
+        )
+    if train["batch_size"] % ranks:
+        split = f"train.shards ({shards})" if train["nodes"] == 1 else f"{ranks} ranks (train.nodes x train.shards)"
+        raise UserError(
+            f"{source}: train.batch_size ({train['batch_size']}) is the global batch of a step, split over {split}; "
+            f"make it a multiple of {ranks}"
+        )
 
 
 def _check_references(config: dict, source: str) -> None:
@@ -208,12 +271,6 @@ def _check_references(config: dict, source: str) -> None:
     if ex["backend"] == "openai" and not ex["server"]["url"]:
         raise UserError(f"{source}: expand.server.url: expand.backend is openai but no server url is set "
                         "(e.g. http://127.0.0.1:8000/v1)")
-    train = config["train"]
-    if train["batch_size"] % train["shards"]:
-        raise UserError(
-            f"{source}: train.batch_size ({train['batch_size']}) is the global batch of a step, split over "
-            f"train.shards ({train['shards']}) GPUs; make it a multiple of train.shards"
-        )
     drafter = config["drafter"]
     types = drafter["layer_types"]
     if types is not None and len(types) != drafter["num_layers"]:
@@ -294,7 +351,8 @@ def repo_path(p: str) -> str:
     return str(REPO_ROOT / p)
 
 
-def prepare_config(config: dict, source: str, user_files=(), cli_config: dict | None = None) -> list[str]:
+def prepare_config(config: dict, source: str, user_files=(), cli_config: dict | None = None, gpus: int = 1,
+                   budget: int | None = None) -> list[str]:
     """What the workflow checks before any job runs, in one place; raises a one-line UserError.
 
     The user's datasets replace the shipped ones (:func:`user_datasets`), the config is
@@ -308,7 +366,7 @@ def prepare_config(config: dict, source: str, user_files=(), cli_config: dict | 
     datasets = user_datasets(user_files, cli_config)
     if datasets is not None:
         config["datasets"] = copy.deepcopy(datasets)
-    validate_config(config, str(SCHEMA_PATH), source)
+    validate_config(config, str(SCHEMA_PATH), source, gpus, budget)
     notes = []
     if config["target"]["path"] is not None:
         config["target"]["path"] = repo_path(config["target"]["path"])  # the shipped tiny target from any -d

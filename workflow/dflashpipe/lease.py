@@ -482,8 +482,11 @@ class AllocationLease(SlotLease):
         return True
 
 
-def _allocated_gpus() -> int:
-    """GPUs this process may see: its ``CUDA_VISIBLE_DEVICES`` entries, else the machine's."""
+def visible_gpus() -> int:
+    """GPUs this process may use, found without initialising CUDA: its ``CUDA_VISIBLE_DEVICES`` entries,
+    else the machine's; 0 where the device is the CPU (``DFLASH_DEVICE=cpu`` too)."""
+    if detect_device_kind() == "cpu":
+        return 0
     cvd = os.environ.get(ENV_CVD)
     return len(_parse_cvd(cvd)) if cvd is not None else max(0, _physical_gpu_count())
 
@@ -499,7 +502,7 @@ def scheduler_owns_gpus(gpus: int = 1) -> bool:
     mode = os.environ.get("DFLASH_SCHEDULER", "auto").strip().lower()
     if mode in ("slurm", "none"):
         return mode == "slurm"
-    return "SLURM_JOB_ID" in os.environ and _allocated_gpus() <= gpus
+    return "SLURM_JOB_ID" in os.environ and visible_gpus() <= gpus
 
 
 def allocation_device(slot: int | None = None, set_env: bool = True) -> DeviceLease:

@@ -7,6 +7,7 @@ import contextlib
 import io
 import os
 import re
+import stat
 import sys
 import time
 
@@ -44,8 +45,9 @@ class Laps:
 
 # A job's progress lines reach the console at most this often (seconds), whatever its bars' rate.
 PROGRESS_EVERY_S = 10.0
-# A child process of a job (a training rank) finds the job's console here (an inherited descriptor).
-CONSOLE_ENV = "DFLASH_CONSOLE_FD"
+# A child process of a job (training rank 0) finds the job's console here: a path it opens
+# (``/proc/<job pid>/fd/<n>``: the job's terminal or pipe, opened again).
+CONSOLE_ENV = "DFLASH_CONSOLE"
 _console = None  # this job's console stream (the terminal Snakemake runs in)
 
 
@@ -107,8 +109,13 @@ def job(log_path: str | None, threads: int = 1, name: str = "job"):
     """
     global _console
     terminal = os.fdopen(os.dup(2), "w")
+    _console = terminal
     inherited = os.environ.pop(CONSOLE_ENV, None)
-    _console = os.fdopen(int(inherited), "w") if inherited else terminal
+    # the job's terminal or pipe, opened again; not a plain file (this process's writes would not follow the
+    # job's offset in it), nor one that is gone: then the log only
+    with contextlib.suppress(OSError):
+        if inherited and not stat.S_ISREG(os.stat(inherited).st_mode):
+            _console = open(inherited, "w")
     if log_path:
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)

@@ -116,24 +116,11 @@ class Pipeline:
         self.lib = self.repo / "workflow" / "dflashpipe"
         self.scripts = self.repo / "workflow" / "scripts"
         self.paths = Paths(config["results"])
+        # the GPU counts, as dflashpipe.config.resolve_gpus filled and checked them
         self.slots = config["gpu"]["slots"]
-        self.shards = config["train"]["shards"]
-
-    # -- checks at DAG time ---------------------------------------------------------
-    def gpu_problem(self, gpu_budget) -> str | None:
-        """Why the GPU settings cannot work (None when they can); ``gpu_budget`` is ``--resources gpu``."""
-        if self.shards > self.slots:
-            return (
-                f"train.shards is {self.shards} but gpu.slots is {self.slots}: every shard needs its own GPU slot "
-                "(and warm stamp); raise gpu.slots or lower train.shards"
-            )
-        if isinstance(gpu_budget, int) and gpu_budget < self.shards:
-            return (
-                f"train.shards is {self.shards} but --resources gpu={gpu_budget}: the training job runs its "
-                f"{self.shards} shards at once, one GPU each; use --resources gpu={self.shards} or more, "
-                "or lower train.shards"
-            )
-        return None
+        self.shards = config["train"]["shards"]  # training ranks per node
+        self.nodes = config["train"]["nodes"]
+        self.ranks = self.shards * self.nodes
 
     # -- code inputs ------------------------------------------------------------------
     def lib_code(self, script: str) -> list[str]:
@@ -237,13 +224,30 @@ class Pipeline:
     def all_stamps(self) -> list[str]:
         return [self.paths.warm_stamp(i) for i in range(self.slots)]
 
+    def train_threads(self) -> int:
+        """CPU threads of the training job: its ranks' on one node (with several nodes, each node's)."""
+        return self.shards * self.config["train"]["threads"]
+
+    def train_resources(self) -> dict:
+        """The training job's resources: on one node, ``gpu=K`` (``--resources gpu`` counts it; SLURM's
+        executor asks for ``--gpus=K``). On N nodes a SLURM allocation of N nodes with ``shards`` GPUs
+        each (``--gres=gpu:G``, one task per node) in which the job itself starts the node launchers with
+        srun (the executor's ``mpi`` mode; ``tasks_per_gpu: 0`` keeps it from asking tasks per GPU)."""
+        if self.nodes == 1:
+            return {"gpu": self.shards}
+        return {"nodes": self.nodes, "tasks": self.nodes, "mpi": "srun", "gres": f"gpu:{self.shards}", "tasks_per_gpu": 0}
+
     @staticmethod
     def run_dir(wildcards, output) -> str:
         """Params function: the training run's folder, the one its summary is written to."""
         return os.path.dirname(output.summary)
 
     def train_rank_logs(self) -> list[str]:
-        return [self.paths.log("train", f"rank{k}") for k in range(self.shards)]
+        return [self.paths.log("train", f"rank{k}") for k in range(self.ranks)]
+
+    def train_node_logs(self) -> list[str]:
+        """The node launchers' logs of a run on several nodes (none on one: the job is the launcher)."""
+        return [self.paths.log("train", f"node{k}") for k in range(self.nodes)] if self.nodes > 1 else []
 
     # -- evaluation (the methods: dflashpipe.evaluate.methods) ---------------------------------
     def needs_ar_draft(self) -> bool:

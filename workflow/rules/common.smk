@@ -10,7 +10,7 @@ REPO = Path(workflow.basedir)
 sys.path.insert(0, str(REPO / "workflow"))
 
 from dflashpipe.checkout import pin_code
-from dflashpipe.config import DATASET_NAME, prepare_config
+from dflashpipe.config import DATASET_NAME, prepare_config, run_gpus
 from dflashpipe.errors import UserError
 from dflashpipe.filedigest import share_cache
 from dflashpipe.wiring import Pipeline
@@ -22,12 +22,17 @@ pin_code(REPO / "workflow")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _config_source = ", ".join(str(f) for f in workflow.configfiles) or "config"
+# --resources gpu=N (else this machine's GPUs): the GPU counts the config leaves null default to it
+_gpu_budget = workflow.global_resources.get("gpu")
+_gpu_budget = getattr(_gpu_budget, "value", _gpu_budget)
 try:
     for _note in prepare_config(
         config,
         _config_source,
         workflow.config_settings.configfiles,
         workflow.config_settings.config,
+        gpus=run_gpus(_gpu_budget, workflow.remote_exec),
+        budget=_gpu_budget if isinstance(_gpu_budget, int) else None,
     ):
         print(_note, file=sys.stderr)
 except UserError as err:
@@ -42,8 +47,3 @@ try:
     pipeline.note_target_content()
 except UserError as err:
     raise SystemExit(f"ERROR: {err}")
-
-_gpu_budget = workflow.global_resources.get("gpu")
-_problem = pipeline.gpu_problem(getattr(_gpu_budget, "value", _gpu_budget))
-if _problem:
-    raise SystemExit(f"ERROR: {_problem}")

@@ -12,15 +12,16 @@ rule train:
     log:
         main=paths.log("train", "train"),
         ranks=pipeline.train_rank_logs(),
+        nodes=pipeline.train_node_logs(),
     benchmark:
         paths.benchmark("train")
     conda:
         "../../envs/torch.yaml"
-    # train.shards and train.threads are read at run time (operational): a new shard count is the
-    # same recipe, but reruns the warm chain (other shapes per rank), and so this job
-    threads: pipeline.shards * config["train"]["threads"]
+    # train.shards, train.nodes and train.threads are read at run time (operational): another GPU count is
+    # the same recipe, but remakes the warm chain (other shapes per rank), and so reruns this job
+    threads: pipeline.train_threads()
     resources:
-        gpu=pipeline.shards,
+        **pipeline.train_resources(),
     params:
         target=pipeline.target_dir(),
         drafter=pipeline.result_params("drafter"),

@@ -17,8 +17,8 @@ with job(snakemake.log[0], threads=snakemake.threads, name=f"warm_slot{slot}") a
         log(f"seeded the cache with {seeded} files compiled by warm_slot{slot - 1}")
     cache = use_slot_cache(p.cache_root, slot)
     cfg = settings(TrainConfig, p.compile["drafter"], p.compile["train"], seed=p.seed)  # the keys that decide compiled code
-    shards = p.compile["train"]["shards"]  # a warm job compiles one rank's shapes of a run of that many ranks
-    out = warm_compile(cfg, snakemake.input.tokenized, snakemake.params.target, lease.device, shards, log=log)
+    ranks = p.compile["train"]["shards"] * p.compile["train"]["nodes"]  # one rank's shapes of a run of that many
+    out = warm_compile(cfg, snakemake.input.tokenized, snakemake.params.target, lease.device, ranks, log=log)
     stamp = write_stamp(snakemake.output[0], out["signature"], lease.device, cache, out["bucket_seconds"], slot,
                         interval=(started, time.time()))
     log(f"stamp {stamp['fingerprint']}: {stamp['compile_seconds']:.1f}s compiling, counters {stamp['counters']}")

@@ -1,7 +1,7 @@
 """Data parallelism with torch's own machinery: process group, DDP, ZeRO-1 AdamW.
 
-A run of K ranks is K processes (one per GPU, see :mod:`.launch`) that meet in
-a file rendezvous (NCCL on GPU, gloo on CPU; K=1 too, for the step's all-reduces of a few
+A run of K ranks is K processes (one per GPU, on one node or several, see :mod:`.launch`) that
+meet in a rendezvous (NCCL on GPU, gloo on CPU; K=1 too, for the step's all-reduces of a few
 scalars, but without DDP or ZeRO: the drafter and plain AdamW):
 
 * gradients: :class:`~torch.nn.parallel.DistributedDataParallel`, bucketed
@@ -16,29 +16,12 @@ scalars, but without DDP or ZeRO: the drafter and plain AdamW):
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from dflashpipe.errors import UserError
-
-
-def rendezvous_url(rdzv_dir: str, run_id: str) -> str:
-    """A file rendezvous unique to one launch of a run (a killed launch's file is never reused).
-
-    Files older than a day are removed: they belong to launches that died before cleaning up.
-    """
-    d = Path(rdzv_dir).resolve()
-    d.mkdir(parents=True, exist_ok=True)
-    for old in d.glob("*"):
-        with contextlib.suppress(OSError):
-            if time.time() - old.stat().st_mtime > 86400:
-                old.unlink()
-    return f"file://{d / run_id}"
 
 
 def init_dist(init_method: str, rank: int, world_size: int, device: torch.device, timeout_s: float) -> None:

@@ -1,35 +1,41 @@
-"""Start the K ranks of one training run together; they succeed or fail as one.
+"""Start the ranks of one training run together, on one node or several; they succeed or fail as one.
 
-One Snakemake job is one training run. It asks for K GPUs (``resources: gpu=K``),
-leases GPU slots 0..K-1 (waiting until every one is free, so no rank starts
-before its peers can), and starts K rank processes (``python -m
-dflashpipe.drafter.launch RANK SPEC``), each taking over its slot's lease,
-seeing its GPU as ``cuda:0`` and starting hot from slot k's warm cache. The
-launcher watches them: when one fails, the others are stopped at once (no rank
-waits for a dead peer until a timeout), and the job fails with the failing
-rank's error line. Rank processes die with the launcher (``PR_SET_PDEATHSIG``),
-so a killed job leaves nothing running.
+One Snakemake job is one training run of ``nodes x shards`` ranks, one GPU each. The job leases
+GPU slots 0..shards-1 (waiting until every one is free, so no rank starts before its peers can;
+under SLURM the allocation is the lease), then starts every node's ranks with torch's own launcher,
+the elastic agent that ``torchrun`` runs (``elastic_launch``, in the launcher's process, with no
+restarts): rank = node x shards + local rank, each rank process sees the GPU of its local rank as
+``cuda:0`` and starts hot from that slot's warm cache, and the ranks meet through the agent's store
+(``env://``). On one node the job itself is the node's launcher. On several (``train.nodes``, a SLURM
+allocation) the job starts one launcher per node with ``srun`` (``python -m dflashpipe.drafter.launch
+node SPEC``), whose agents meet in a static rendezvous at the first node's address (SLURM's
+``NodeAddr``); NCCL (gloo on CPU) then runs across the nodes.
 
-Why one job and not one per rank: Snakemake schedules jobs one by one, so with
-a job per rank a rerun could start a lone rank whose peers' outputs were
-already complete (after one rank failed, or when one output is asked for),
-and it would wait for peers that never come. With one job the K ranks are
-always scheduled, run, retried and invalidated together; on a cluster the job
-is one allocation of K GPUs (co-scheduled by construction).
+When a rank fails, its agent stops the node's other ranks at once, srun (``--kill-on-bad-exit``)
+stops the other nodes, and the job fails with ONE line: the failing rank's error line, or the node
+whose launcher died. Rank processes die with their launcher (``PR_SET_PDEATHSIG``), so a killed job
+leaves nothing running; a rerun resumes from the newest checkpoint at any ``nodes x shards``.
 
-A run that finished is marked complete in its checkpoint directory only after
-every rank exited cleanly and the outputs exist; a job that finds its run
-finished writes the outputs again and starts no rank (see :mod:`.checkpoint`).
+Why one job and not one per rank: Snakemake schedules jobs one by one, so with a job per rank a rerun
+could start a lone rank whose peers' outputs were already complete (after one rank failed, or when
+one output is asked for), and it would wait for peers that never come. With one job the ranks are
+always scheduled, run, retried and invalidated together; on a cluster the job is one allocation
+(co-scheduled by construction).
+
+A run that finished is marked complete in its checkpoint directory only after every rank exited
+cleanly and the outputs exist; a job that finds its run finished writes the outputs again and starts
+no rank (see :mod:`.checkpoint`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
@@ -39,20 +45,29 @@ from dflashpipe.checkout import planned_code
 from dflashpipe.errors import UserError
 from dflashpipe.runtime import CONSOLE_ENV, console_fd
 
+#: the pid of the process that started a rank (its elastic agent): the rank dies with it
+LAUNCHER_ENV = "DFLASH_LAUNCHER_PID"
+#: this module, run as ``python -m`` by the node launchers and the ranks
+MODULE = "dflashpipe.drafter.launch"
 
-def _die_with_parent_fn():
-    """A pre-exec function that makes the child die with this process (resolved before any fork)."""
+
+def die_with_launcher() -> None:
+    """In a rank process, first thing: die (SIGKILL) when the launcher that started it dies."""
     import ctypes
 
-    prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    parent = os.getpid()
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    launcher = os.environ.get(LAUNCHER_ENV)
+    if launcher and os.getppid() != int(launcher):  # the launcher died before prctl took effect
+        os._exit(1)
 
-    def die_with_parent() -> None:  # in the child, between fork and exec: no imports, no allocation
-        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os._exit(1)
 
-    return die_with_parent
+def _output_to(log_path: str) -> None:
+    """This process's stdout and stderr (the descriptors) appended to ``log_path``."""
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def _error_line(log_path: str, start: int = 0) -> str:
@@ -65,94 +80,216 @@ def _error_line(log_path: str, start: int = 0) -> str:
             f.seek(start)
             text = f.read().decode(errors="replace")
     except OSError:
-        return "no log"
+        text = ""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith("ERROR:")]
-    return (errors[-1] if errors else (lines[-1] if lines else "empty log"))[:300]
+    if not lines:
+        return "nothing in its log: it failed while starting (its launcher's log has the output)"
+    return (errors[-1] if errors else lines[-1])[:300]
 
 
-def _culprit(failed: list[int], codes: list, rank_logs: list[str], starts: list[int]) -> int:
+def _culprit(failed: list[int], codes: dict, rank_logs: list[str], starts: dict) -> int:
     """The rank that most likely caused the failure: one with an ERROR line, else one killed by a
     signal, else the first. (A peer of a dead rank fails too, with a mere connection error.)"""
     for r in failed:
         if _error_line(rank_logs[r], starts[r]).startswith("ERROR:"):
             return r
-    return next((r for r in failed if codes[r] < 0), failed[0])
+    return next((r for r in failed if codes.get(r, 0) < 0), failed[0])
 
 
-def launch(commands: list[list[str]], rank_logs: list[str], log=print, envs: list[dict] | None = None,
-           pass_fds: list[tuple] | None = None, poll_s: float = 0.2, grace_s: float = 10.0) -> None:
-    """Run one process per rank; return when all exit 0, else stop the rest and raise one line.
+def _log_sizes(paths: list[str]) -> dict[int, int]:
+    """Where this attempt's part of each (appended) log begins."""
+    return {r: (os.path.getsize(p) if os.path.exists(p) else 0) for r, p in enumerate(paths)}
 
-    Rank r's output goes to ``rank_logs[r]`` from its first line (import errors included);
-    ``envs[r]`` is added to its environment and ``pass_fds[r]`` stay open in it.
+
+def _set_environ(values: dict[str, str | None]) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _environ(**values: str | None):
+    """``os.environ`` with ``values`` set (None: removed) for the duration: what the agent's ranks inherit."""
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        _set_environ(values)
+        yield
+    finally:
+        _set_environ(old)
+
+
+def launch(command: list[str], rank_logs: list[str], log=print, *, nodes: int = 1, node: int = 0,
+           master: str | None = None, run_id: str | None = None, timeout_s: float = 600,
+           visible_devices: str | None = None, console: str | None = None, poll_s: float = 0.2) -> None:
+    """Start this node's ranks of a run with torch's elastic agent; return when all exit 0, else raise one line.
+
+    ``rank_logs`` holds every rank's log (``nodes x`` this node's ranks); each rank writes its own
+    (:func:`rank_main`). ``command`` runs once per rank (``command[0]`` the program); the ranks find
+    their place in ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``.
+    ``master``: the first node's ``address:port`` (several nodes); one node meets on this machine's loopback.
+    ``visible_devices``: the ranks' ``CUDA_VISIBLE_DEVICES`` (local rank k takes its k-th entry).
+    ``console``: where rank 0 shows its progress (a path the ranks can open).
     """
-    procs, logs, starts = [], [], []  # starts: where this attempt's part of each (appended) log begins
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    per_node = len(rank_logs) // nodes
+    first = node * per_node
+    starts = _log_sizes(rank_logs)
+    # node k's agent joins torch's static rendezvous as group k: the first node's agent holds the store at
+    # ``master``; one node holds it on this machine's loopback (no hostname to resolve: a cluster node's
+    # own name may not resolve; 0.2 s sooner to start than torchrun --standalone's c10d rendezvous)
+    config = LaunchConfig(
+        min_nodes=nodes, max_nodes=nodes, nproc_per_node=per_node, run_id=run_id or uuid.uuid4().hex[:12],
+        role="rank", rdzv_backend="static", rdzv_endpoint=master or f"127.0.0.1:{_free_port()}",
+        rdzv_configs={"rank": node, "timeout": int(timeout_s)}, max_restarts=0, monitor_interval=poll_s,
+        logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
+    )
     # the ranks run the library of the checkout that planned the job (pinned by the Snakefile), else this
     # process's own: first on their path, and checked by each rank (dflashpipe.checkout)
     package_root = str(planned_code() or Path(__file__).resolve().parents[2])
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != package_root]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([package_root, *rest]), **{CODE_ENV: package_root})
-    die_with_parent = _die_with_parent_fn()
-    old_term = signal.getsignal(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # run the cleanup below
+    env = {"PYTHONPATH": os.pathsep.join([package_root, *rest]), CODE_ENV: package_root,
+           LAUNCHER_ENV: str(os.getpid()), CONSOLE_ENV: console}
+    if visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices
+    log(f"starting {per_node} rank(s) ({first}..{first + per_node - 1} of {len(rank_logs)}) with torch's elastic agent")
     try:
-        for r, cmd in enumerate(commands):
-            Path(rank_logs[r]).parent.mkdir(parents=True, exist_ok=True)
-            logs.append(open(rank_logs[r], "ab"))
-            starts.append(logs[-1].tell())
-            procs.append(subprocess.Popen(cmd, env={**env, **(envs[r] if envs else {})}, stdout=logs[-1],
-                                          stderr=subprocess.STDOUT, pass_fds=pass_fds[r] if pass_fds else (),
-                                          preexec_fn=die_with_parent))
-        log(f"started {len(procs)} rank(s): pids {[p.pid for p in procs]}")
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                time.sleep(poll_s)  # let peers of a dead rank fail too, then name the cause
-                codes = [p.poll() for p in procs]
-                failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-                r = _culprit(failed, codes, rank_logs, starts)
-                raise UserError(
-                    f"train rank {r} of {len(procs)} failed (exit code {codes[r]}), the other ranks were stopped: "
-                    f"{_error_line(rank_logs[r], starts[r])}  [log: {rank_logs[r]}]"
-                )
-            if all(c == 0 for c in codes):
-                return
-            time.sleep(poll_s)
-    finally:
-        _stop(procs, grace_s)
-        for f in logs:
-            f.close()
-        signal.signal(signal.SIGTERM, old_term)
+        with _environ(**env):
+            elastic_launch(config, command[0])(*command[1:])
+    except ChildFailedError as err:
+        codes = {int(r): f.exitcode for r, f in err.failures.items()}
+        # the agent lists the ranks it stopped (SIGTERM) after the failure too: the cause is among the others
+        failed = sorted(r for r, c in codes.items() if c != -signal.SIGTERM) or sorted(codes)
+        r = _culprit(failed, codes, rank_logs, starts)
+        raise UserError(
+            f"train rank {r} of {len(rank_logs)} failed (exit code {codes[r]}), the other ranks were stopped: "
+            f"{_error_line(rank_logs[r], starts[r])}  [log: {rank_logs[r]}]"
+        ) from None
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
-    alive = [p for p in procs if p.poll() is None]
-    for p in alive:
-        p.terminate()
-    deadline = time.time() + grace_s
-    for p in alive:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+def _free_port() -> int:
+    """A TCP port free on this machine's loopback now (for the store of a run on this machine alone)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def run_training(*, world_size: int, threads_per_rank: int, cfg, tokenized: str, target: str, run_dir: str,
-                 cache_root: str, stamps: list[str], gpu_config: dict, rank_logs: list[str], metrics_csv: str,
-                 summary_json: str, final_state: str, log=print) -> dict:
-    """One training run of ``world_size`` ranks: launch them, then mark the run complete.
+def _scontrol(*args: str) -> str:
+    out = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise UserError(f"scontrol {' '.join(args)} failed: {(out.stderr or out.stdout).strip()[:200]}")
+    return out.stdout
 
-    ``cfg`` is the run's :class:`~dflashpipe.drafter.train.TrainConfig`, sent to the ranks as JSON;
-    ``gpu_config`` the config's ``gpu`` section plus ``results`` (for the leases).
+
+def _scontrol_fields(*args: str) -> dict[str, str]:
+    """``scontrol show ... -o``: its ``Key=Value`` fields."""
+    return dict(kv.split("=", 1) for kv in _scontrol(*args).split() if "=" in kv)
+
+
+def allocation(nodes: int) -> tuple[list[str], str]:
+    """The nodes of this job's SLURM allocation and the first one's address, for a run on ``nodes`` nodes.
+
+    The address is the node's ``NodeAddr``: where SLURM itself reaches it (its name, unless the
+    cluster says otherwise). ``MASTER_PORT`` in the environment sets the port of the agents' store;
+    else one from the job id (20000-29999)."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        raise UserError(
+            f"train.nodes is {nodes}: the training job must run in a SLURM allocation of {nodes} nodes "
+            "(snakemake --profile profiles/slurm, or Snakemake inside salloc/sbatch -N); set train.nodes: 1 otherwise"
+        )
+    hosts = _scontrol("show", "hostnames", _scontrol_fields("show", "job", "-o", job_id)["NodeList"]).split()
+    if len(hosts) < nodes:
+        raise UserError(f"train.nodes is {nodes} but SLURM job {job_id} holds {len(hosts)} node(s): {' '.join(hosts)}")
+    address = _scontrol_fields("show", "node", "-o", hosts[0]).get("NodeAddr", hosts[0])
+    port = os.environ.get("MASTER_PORT") or str(20000 + int(job_id) % 10000)
+    return hosts[:nodes], f"{address}:{port}"
+
+
+_SRUN_ERROR = re.compile(r"srun: error: (\S+): task (\d+): (.+)")
+
+
+def run_nodes(spec_path: str, spec: dict, log=print) -> None:
+    """The ranks of every node: one node launcher per node started with srun; one line if any fails.
+
+    srun stops every node when one node's launcher exits non-zero (``--kill-on-bad-exit``). The line
+    names, in this order: a node whose launcher died by a signal (the first srun reports: the node was
+    lost), else the first rank with an ERROR line (this attempt's part of its log), else the first
+    node launcher's ERROR line (which names its failed rank and exit code)."""
+    nodes, per_node = spec["nodes"], spec["shards"]
+    rank_logs, node_logs, hosts = spec["rank_logs"], spec["node_logs"], spec["hosts"]
+    rank_starts, node_starts = _log_sizes(rank_logs), _log_sizes(node_logs)
+    cmd = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+           f"--cpus-per-task={per_node * spec['threads']}", sys.executable, "-m", MODULE, "node", spec_path]
+    log(f"{nodes} nodes x {per_node} rank(s): {' '.join(hosts)}; rendezvous at {spec['master']}")
+    # the job's own SLURM variables would narrow the step to this one task; srun dies with the job (SIGTERM:
+    # it then stops every node's launcher)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_")) or k in ("SLURM_JOB_ID", "SLURM_CONF")}
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          preexec_fn=_die_with_parent(signal.SIGTERM))
+    for line in proc.stderr.splitlines():
+        log(line)
+    if proc.returncode == 0:
+        return
+    reports = [m.groups() for m in map(_SRUN_ERROR.match, proc.stderr.splitlines()) if m]
+    if reports and not reports[0][2].startswith("Exited"):
+        host, task, how = reports[0]
+        raise UserError(
+            f"train node {task} of {nodes} ({host}) was lost: its launcher ended ({how}); the ranks of every node "
+            f"were stopped, and a rerun resumes from the run's last checkpoint  [log: {node_logs[int(task)]}]"
+        )
+    failed = _first_error(rank_logs, rank_starts)
+    if failed:
+        r, line = failed
+        raise UserError(
+            f"train rank {r} of {len(rank_logs)} (node {r // per_node}, {hosts[r // per_node]}) failed, the ranks "
+            f"of every node were stopped: {line}  [log: {rank_logs[r]}]"
+        )
+    failed = _first_error(node_logs, node_starts)
+    if failed:
+        k, line = failed
+        raise UserError(f"train node {k} of {nodes} ({hosts[k]}) failed: {line.removeprefix('ERROR: ')}")
+    first = " ".join(reports[0]) if reports else f"srun exit code {proc.returncode}"
+    raise UserError(f"train: srun of the {nodes} node launchers failed ({first}): {proc.stderr.strip()[-200:]}")
+
+
+def _first_error(logs: list[str], starts: dict[int, int]) -> tuple[int, str] | None:
+    """The first of ``logs`` with an ERROR line in this attempt's part, and the line."""
+    for i, path in enumerate(logs):
+        line = _error_line(path, starts[i])
+        if line.startswith("ERROR:"):
+            return i, line
+    return None
+
+
+def _die_with_parent(sig: int):
+    """A pre-exec function: the child gets ``sig`` when this process dies (resolved before any fork)."""
+    import ctypes
+
+    prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    return lambda: prctl(1, sig)  # PR_SET_PDEATHSIG
+
+
+def run_training(*, nodes: int, shards: int, threads_per_rank: int, cfg, tokenized: str, target: str, run_dir: str,
+                 cache_root: str, stamps: list[str], gpu_config: dict, rank_logs: list[str], node_logs: list[str],
+                 metrics_csv: str, summary_json: str, final_state: str, log=print) -> dict:
+    """One training run of ``nodes x shards`` ranks: launch them, then mark the run complete.
+
+    ``cfg`` is the run's :class:`~dflashpipe.drafter.train.TrainConfig`, sent to the ranks in a
+    JSON file under ``run_dir`` (which every node reads); ``gpu_config`` the config's ``gpu``
+    section plus ``results`` (for the leases); ``node_logs``: the node launchers' logs (several nodes).
     """
     from dflashpipe.lease import lease_for_job
     from dflashpipe.tracking import check_available
 
     from .checkpoint import checkpoint_dir, mark_complete, republish, run_identity
-    from .distributed import rendezvous_url
 
     check_available(cfg.tensorboard, cfg.wandb)  # a tracker asked for but not installed: one line before any lease
     identity = run_identity(cfg, tokenized, target)  # once: every rank keys the same run
@@ -160,57 +297,80 @@ def run_training(*, world_size: int, threads_per_rank: int, cfg, tokenized: str,
     finished = republish(ckpt, identity, metrics_csv, summary_json, final_state, log)
     if finished is not None:  # a finished run of this identity (a comment edit, an x-compile key): trains no step
         return finished
+    hosts, master = allocation(nodes) if nodes > 1 else ([], None)
+    run_id = uuid.uuid4().hex[:12]  # one launch: a killed launch's files are never reused
     spec = {
-        "world_size": world_size, "threads": threads_per_rank, "cfg": asdict(cfg), "tokenized": tokenized,
+        "nodes": nodes, "shards": shards, "threads": threads_per_rank, "cfg": asdict(cfg), "tokenized": tokenized,
         "target": target, "identity": identity, "ckpt_dir": str(ckpt), "cache_root": cache_root, "stamps": stamps,
-        "gpu_config": gpu_config, "rank_logs": rank_logs, "metrics_csv": metrics_csv, "summary_json": summary_json,
-        "final_state": final_state,
-        # a fresh rendezvous file per launch: a killed launch's file is never reused
-        "init_method": rendezvous_url(os.path.join(run_dir, "rendezvous"), uuid.uuid4().hex[:12]),
+        "rank_logs": rank_logs, "node_logs": node_logs, "metrics_csv": metrics_csv, "summary_json": summary_json, "final_state": final_state,
+        "hosts": hosts, "master": master, "run_id": run_id,
     }
-    log(f"run {ckpt.name}: {world_size} rank(s) x {threads_per_rank} thread(s); checkpoints in {ckpt}")
-    arg = json.dumps(spec)
-    # every slot is leased before any rank starts (another GPU job may hold one for a while); each
-    # rank takes its slot's lease over, so the slots stay held however the ranks end
+    spec_path = Path(run_dir) / "launch" / f"{run_id}.json"
+    spec_path.parent.mkdir(parents=True, exist_ok=True)
+    spec_path.write_text(json.dumps(spec))
+    log(f"run {ckpt.name}: {nodes} node(s) x {shards} rank(s) x {threads_per_rank} thread(s); checkpoints in {ckpt}")
+    # every slot of this machine is leased before any rank starts (another GPU job may hold one for a while);
+    # under SLURM the allocation is the lease
     leases = []
     try:
-        for r in range(world_size):
-            leases.append(lease_for_job(gpu_config, slot=r, gpus=world_size, set_env=False))
-        log(f"leased slots 0..{world_size - 1}: {[lease.visible_devices or lease.device for lease in leases]}")
-        console = console_fd()  # rank 0 shows its progress bar on the job's console
-        show = {CONSOLE_ENV: str(console)} if console is not None else {}
-        launch([[sys.executable, "-m", "dflashpipe.drafter.launch", str(r), arg] for r in range(world_size)], rank_logs,
-               log, envs=[{**lease.child_env(), **(show if r == 0 else {})} for r, lease in enumerate(leases)],
-               pass_fds=[(() if lease.lease.fd is None else (lease.lease.fd,)) + ((console,) if r == 0 and show else ())
-                         for r, lease in enumerate(leases)])
+        for r in range(shards):
+            leases.append(lease_for_job(gpu_config, slot=r, gpus=shards, set_env=False))
+        visible = [lease.visible_devices for lease in leases]
+        log(f"leased slots 0..{shards - 1}: {[v or lease.device for v, lease in zip(visible, leases)]}")
+        if nodes > 1:
+            run_nodes(str(spec_path), spec, log)
+        else:
+            console = console_fd()  # rank 0 shows its progress bar on the job's console
+            launch([sys.executable, "-m", MODULE, "rank", str(spec_path)], rank_logs, log, run_id=run_id,
+                   timeout_s=cfg.dist_timeout_s, visible_devices=",".join(visible) if all(visible) else None,
+                   console=f"/proc/{os.getpid()}/fd/{console}" if console is not None else None)
     finally:
         for lease in leases:
             lease.release()
+        spec_path.unlink(missing_ok=True)
     summary = json.loads(Path(summary_json).read_text())
     mark_complete(ckpt, summary_json, final_state)
     return summary
 
 
-def rank_main(rank: int, spec: dict) -> None:
-    """One rank process: lease its GPU slot, point at the slot's warm cache, train."""
+def node_main(spec_path: str) -> None:
+    """One node's launcher (started by srun on every node of the allocation): this node's ranks."""
+    from dflashpipe.runtime import job
+
+    spec = json.loads(Path(spec_path).read_text())
+    node = int(os.environ["SLURM_NODEID"])
+    with job(spec["node_logs"][node], threads=1, name=f"train node {node}/{spec['nodes']}") as log:
+        log(f"node {node} ({os.uname().nodename}): launcher pid {os.getpid()}")
+        launch([sys.executable, "-m", MODULE, "rank", spec_path], spec["rank_logs"], log, nodes=spec["nodes"],
+               node=node, master=spec["master"], run_id=spec["run_id"], timeout_s=spec["cfg"]["dist_timeout_s"])
+
+
+def rank_main(spec_path: str) -> None:
+    """One rank process (started by a node's elastic agent): its GPU, its slot's warm cache, train."""
+    die_with_launcher()
+    spec = json.loads(Path(spec_path).read_text())
+    rank, local, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    _output_to(spec["rank_logs"][rank])  # everything from here on, crashes of the imports below included
+
     from dflashpipe.hotstart import hot_start
-    from dflashpipe.lease import lease_for_job, use_slot_cache
+    from dflashpipe.lease import allocation_device, use_slot_cache
     from dflashpipe.runtime import job
 
     from .train import TrainConfig, train_rank
 
-    K = spec["world_size"]
-    with job(spec["rank_logs"][rank], threads=spec["threads"], name=f"train rank {rank}/{K}") as log:
-        lease = lease_for_job(spec["gpu_config"], slot=rank)  # adopts the launcher's lease of slot ``rank``
-        log(f"slot {rank}: device {lease.device} (CUDA_VISIBLE_DEVICES={lease.visible_devices})")
-        use_slot_cache(spec["cache_root"], rank)
+    if rank != 0:
+        os.environ.pop(CONSOLE_ENV, None)  # only rank 0 shows its progress on the job's console
+    with job(spec["rank_logs"][rank], threads=spec["threads"], name=f"train rank {rank}/{world}") as log:
+        device = allocation_device(local)  # the local rank's GPU of those the node's launcher was given
+        log(f"rank {rank} = node {rank // spec['shards']} on {os.uname().nodename}, slot {local}: device "
+            f"{device.device} (CUDA_VISIBLE_DEVICES={device.visible_devices})")
+        use_slot_cache(spec["cache_root"], local)
         train_rank(
-            TrainConfig(**spec["cfg"]), spec["tokenized"], spec["target"], spec["ckpt_dir"], rank, K,
-            spec["init_method"], lease.device, spec["metrics_csv"], spec["summary_json"],
-            final_state=spec["final_state"], log=log, hot_start=hot_start(spec["stamps"][rank], lease.device),
-            identity=spec["identity"],
+            TrainConfig(**spec["cfg"]), spec["tokenized"], spec["target"], spec["ckpt_dir"], rank, world, "env://",
+            device.device, spec["metrics_csv"], spec["summary_json"], final_state=spec["final_state"], log=log,
+            hot_start=hot_start(spec["stamps"][local], device.device), identity=spec["identity"],
         )
 
 
 if __name__ == "__main__":
-    rank_main(int(sys.argv[1]), json.loads(sys.argv[2]))
+    {"node": node_main, "rank": rank_main}[sys.argv[1]](sys.argv[2])

@@ -1,8 +1,8 @@
 """Train a DFlash drafter: one rank of a data-parallel run, read top to bottom.
 
 A run with K ranks is K processes (started together by :mod:`.launch`, one
-GPU each) that call :func:`train_rank` with ranks 0..K-1 and meet through a
-file rendezvous (torch.distributed; NCCL on GPU, gloo on CPU; also for K=1,
+GPU each, on one node or several) that call :func:`train_rank` with ranks 0..K-1 and meet
+through a rendezvous (torch.distributed; NCCL on GPU, gloo on CPU; also for K=1,
 one code path). ``train.batch_size`` is the GLOBAL batch of a step: rank r
 trains on its ``batch_size / K`` slice of it, so 1, 2 or 8 GPUs train the same
 drafter (same samples per step, same order, same anchors; :mod:`.data`), only
@@ -67,7 +67,7 @@ class TrainConfig:
     """The ``drafter`` and ``train`` sections and ``seed``, as one rank takes them: built once by the job
     (:func:`dflashpipe.config.settings`), sent to the ranks as JSON. Defaults: the schema's."""
 
-    JOB_KEYS = ("shards", "threads")  # the job's rank processes and their threads (scripts/train.py)
+    JOB_KEYS = ("shards", "nodes", "threads")  # the job's rank processes and their threads (scripts/train.py)
 
     num_layers: int  # drafter layers
     block_size: int
