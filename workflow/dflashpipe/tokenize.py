@@ -197,8 +197,9 @@ def tokenize_expanded(
                                                                           add_special_tokens=False)
                 loop = loop_start(reply)
                 if loop is not None:  # keep the reply up to its loop's first occurrence
-                    gen = reply[: loop[0] + loop[1]]
-                    messages[-1]["content"] = tokenizer.decode(gen, skip_special_tokens=True)
+                    kept = reply[: loop[0] + loop[1]]
+                    messages[-1]["content"] = tokenizer.decode(kept, skip_special_tokens=True)
+                    gen = kept if gen is not None else None  # a reply without generated ids stays without
                     loops_cut += 1
             info = {}
             try:
