@@ -196,6 +196,32 @@ def test_cache_draft_equals_masked_training_forward():
             assert cache.seq_len == a  # the block's K/V are not stored
 
 
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_fused_projections_give_the_same_block_forward(arch):
+    """Decoding fuses the drafter's q/k/v and gate/up into one matmul each (as the target's): the same
+    hidden states, the weights becoming views (no copy), the state dict unchanged."""
+    from dflashpipe.decode.layer import fuse_projections
+
+    torch.manual_seed(0)
+    cfg = tiny_cfg(arch=arch)
+    model = DFlashDrafter(cfg).eval()
+    for p in model.parameters():  # off the identity init of DFlash 2's convolutions
+        p.data.normal_(0, 0.2)
+    ids, lm, anchors, keep, th = make_batch(cfg)
+    B, S = ids.shape
+    emb = torch.randn(B, anchors.shape[1] * cfg.block_size, H)
+    args = (emb, th, block_position_ids(anchors, S, cfg.block_size), dense_mask(anchors, keep, S, cfg.block_size))
+    keys = set(model.state_dict())
+    with torch.no_grad():
+        ref = model(*args)
+        fuse_projections(None, layers=model.layers)
+        got = model(*args)
+    attn = model.layers[0].self_attn
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+    assert set(model.state_dict()) == keys
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
 # -- loss ----------------------------------------------------------------------
 
 

@@ -211,7 +211,7 @@ def test_block_loss_hands_the_selector_its_candidates_and_the_teachers_argmax():
     assert found["candidates"].shape == (2, 8, cfg.selector_top_k)
     expected = found["teacher_argmax"]
     h1 = hidden.detach().clone().requires_grad_()
-    a = selector_loss(sel, h1, lm_head, prev, expected, w, obj, chunk_size=5, candidates=found["candidates"])
+    a = selector_loss(sel, h1, lm_head, prev, expected, w, obj, chunk_size=5, found=found)
     a.backward()
     h2 = hidden.detach().clone().requires_grad_()
     b = selector_loss(sel, h2, lm_head, prev, expected, w, obj, chunk_size=5)
@@ -478,3 +478,58 @@ def test_dspark_simulated_tau_counts_every_slot():
     assert (sums[-2] / sums[-1]).item() == pytest.approx(((1 + 1) + (1 + 2)) / 2)
     assert valid.tolist() == [2, 2, 1, 1] and correct.tolist() == [2, 1, 1, 1]
     assert reached.tolist() == [2, 2, 0, 0] and accepted.tolist() == [2, 1, 0, 0]
+
+
+@pytest.mark.parametrize("loss", ["kl", "ce"])
+def test_selector_loss_from_block_loss_logits_equals_its_own_lm_head_pass(loss):
+    """With block_loss's logits (candidates, their logits and the chosen token's) the selector runs no LM
+    head; loss and gradients equal those of its own chunked pass, misses (target outside the top-k) included."""
+    torch.manual_seed(3)
+    cfg = dflash2_cfg()
+    sel = DFlashDrafter(cfg).candidate_selector
+    with torch.no_grad():
+        sel.successor_codebook.normal_(0, 0.1)
+    lm_head = torch.randn(V, H)
+    hidden, teacher = torch.randn(2, 8, H), torch.randn(2, 8, H)
+    labels, prev = torch.randint(0, V, (2, 8)), torch.randint(0, V, (2, 8))
+    w = torch.rand(2, 8)
+    w[0, 1] = 0
+    obj = Objective(loss=loss, multiplier=cfg.output_multiplier, cap=cfg.final_logit_softcapping)
+    found = {"top_k": cfg.selector_top_k}
+    block_loss(hidden, lm_head, labels, w, 5, reduction="sum", objective=obj,
+               teacher_hidden=teacher if loss == "kl" else None, collect=found)
+    chosen = found.get("teacher_argmax", labels)
+    assert (chosen[w > 0][:, None] != found["candidates"][w > 0]).all(-1).any()  # some target is a miss
+    grads = []
+    for kw in ({"found": found}, {}):
+        h = hidden.clone().requires_grad_()
+        sel.zero_grad()
+        value = selector_loss(sel, h, lm_head, prev, chosen, w, obj, chunk_size=5, **kw)
+        value.backward()
+        grads.append((value.detach(), h.grad, sel.successor_codebook.grad.clone()))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_block_loss_with_teacher_rows_equals_the_gathered_teacher():
+    """Overlapping blocks share teacher rows: block_loss given the target's [B, S, H] states and each row's
+    position equals block_loss given the gathered [B, Q, H] rows (loss, gradient, teacher argmax)."""
+    torch.manual_seed(4)
+    S, Q = 6, 10
+    W = torch.randn(V, H)
+    final = torch.randn(2, S, H)
+    rows = torch.randint(0, S, (2, Q))
+    labels = torch.randint(0, V, (2, Q))
+    w = torch.rand(2, Q)
+    w[1, :3] = 0
+    obj = Objective(loss="kl", multiplier=0.5, cap=20.0)
+    out = []
+    for kw in ({"teacher_hidden": final, "teacher_rows": rows},
+               {"teacher_hidden": final.gather(1, rows[..., None].expand(-1, -1, H))}):
+        h = torch.randn(2, Q, H, generator=torch.Generator().manual_seed(5)).requires_grad_()
+        found = {}
+        value, acc = block_loss(h, W, labels, w, 4, objective=obj, collect=found, **kw)
+        value.backward()
+        out.append((value.detach(), acc, h.grad, found["teacher_argmax"]))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b)

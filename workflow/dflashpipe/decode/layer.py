@@ -64,8 +64,9 @@ def _fuse(owner, name: str, part_names) -> None:
     parts = [getattr(owner, n) for n in part_names]
     if _views(owner, name, parts):
         return
-    weight = _cat(*(p.weight for p in parts))
-    bias = _cat(*(p.bias for p in parts)) if all(p.bias is not None for p in parts) else None
+    with torch.no_grad():  # a plain tensor, even of weights that require a gradient (the drafter's)
+        weight = _cat(*(p.weight for p in parts))
+        bias = _cat(*(p.bias for p in parts)) if all(p.bias is not None for p in parts) else None
     start = 0
     for p in parts:  # the module's weight (and bias) now live inside the fused ones
         n = p.weight.shape[0]
@@ -78,15 +79,16 @@ def _fuse(owner, name: str, part_names) -> None:
     owner.fused_sizes = [p.weight.shape[0] for p in parts]
 
 
-def fuse_projections(model) -> None:
+def fuse_projections(model, layers=None) -> None:
     """Each layer's q/k/v and gate/up weights as one matrix each (the buffers ``qkv_weight``,
     ``qkv_bias``, ``gate_up_weight``, ``gate_up_bias``, not saved with the model), the projections'
     own weights becoming views of them. Idempotent. Run it after the model is on its device.
 
     ``.to()`` copies every tensor on its own, so the projections stop being views (the same numbers,
     twice the memory): calling this again fuses them again, and a ``load_state_dict`` does it by itself
-    (a hook), so the fused matrices never hold other weights than the projections."""
-    for layer in model.model.layers:
+    (a hook), so the fused matrices never hold other weights than the projections. ``layers``: other
+    layers with the same ``self_attn`` / ``mlp`` projections (the drafter's) instead of ``model``'s."""
+    for layer in model.model.layers if layers is None else layers:
         for attr, name, part_names in FUSED:
             owner = getattr(layer, attr)
             _fuse(owner, name, part_names)

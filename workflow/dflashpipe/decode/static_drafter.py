@@ -27,12 +27,14 @@ from __future__ import annotations
 import torch
 
 from dflashpipe.decode.cuda_graph import capture
+from dflashpipe.decode.layer import fuse_projections
 
 
 class StaticDrafterRunner:
     def __init__(self, drafter, embed, lm_head, mask_token_id: int, capacity: int, cuda_graphs: bool | None = None,
                  compile: bool = False):
         self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
+        fuse_projections(None, layers=drafter.layers)  # q/k/v and gate/up as one matmul each, as the target's
         cfg = drafter.cfg
         self.bs, self.capacity = int(cfg.block_size), int(capacity)
         self.verified = cfg.num_drafts + 1  # positions of a verify: the anchor and the drafts

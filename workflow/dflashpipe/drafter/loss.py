@@ -132,9 +132,45 @@ def _pad_rows(t, n):
     return torch.cat([t, t.new_zeros(n, *t.shape[1:])]) if n else t
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """What :class:`_ChunkedLinearLoss` scores, besides the tensors that take a gradient: labels [M], weights
+    [M]; the teacher's hidden rows [T, H] (or None) and, per row, the index of its teacher row [M] (rows sorted
+    by it, so that a chunk's rows share few teacher rows and the LM head runs once per distinct one)."""
+
+    labels: torch.Tensor
+    w: torch.Tensor
+    teacher_h: torch.Tensor | None = None
+    teacher_idx: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class _How:
+    """How :class:`_ChunkedLinearLoss` reduces: chunk size, the chunk function, the objective, ``reweight``
+    and ``collect`` (see :func:`block_loss`)."""
+
+    chunk_size: int
+    ce: ChunkCE
+    obj: Objective
+    reweight: Callable | None = None
+    collect: dict | None = None
+
+
+def _teacher_logits(rows: _Rows, s: int, n: int, pad: int, weight: torch.Tensor) -> torch.Tensor | None:
+    """The teacher's logits of rows s..s+n (padded by ``pad`` rows): the LM head once per distinct teacher row."""
+    if rows.teacher_h is None:
+        return None
+    tix = rows.teacher_idx[s : s + n]
+    distinct, inverse = torch.unique_consecutive(tix, return_inverse=True)  # rows are sorted by teacher row
+    logits = rows.teacher_h[distinct].to(weight.dtype) @ weight.t()
+    if distinct.numel() == n and not pad:
+        return logits
+    return logits[_pad_rows(inverse, pad)]  # padding rows reuse the first row (their weight is 0)
+
+
 class _ChunkedLinearLoss(torch.autograd.Function):
-    """(h [M, H], W [V, H], labels [M], w [M], teacher_h [M, H] or None, e [M, r] or None, W2 [V, r] or None,
-    chunk, ChunkCE, Objective, reweight, collect) -> (sum_i w_i*loss_i, sum_i w_i*[argmax_i == label_i], sum_i w_i).
+    """(h [M, H], W [V, H], e [M, r] or None, W2 [V, r] or None, :class:`_Rows`, :class:`_How`)
+    -> (sum_i w_i*loss_i, sum_i w_i*[argmax_i == label_i], sum_i w_i).
 
     The logits of row i are ``h_i @ W.T`` (+ ``e_i @ W2.T``: DSpark's Markov head).
     ``reweight`` (optional, no gradient): per-row losses [M] -> the weights [M] the loss
@@ -144,10 +180,11 @@ class _ChunkedLinearLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, labels, w, teacher_h, e, w2, chunk_size, ce, obj, reweight, collect):
+    def forward(ctx, h, weight, e, w2, rows: _Rows, how: _How):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_e, need_w2 = ctx.needs_input_grad[5], ctx.needs_input_grad[6]
-        if (need_w or need_w2) and reweight is not None:
+        need_e, need_w2 = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        obj, collect, chunk_size, labels, w = how.obj, how.collect, how.chunk_size, rows.labels, rows.w
+        if (need_w or need_w2) and how.reweight is not None:
             raise ValueError("block_loss: a re-weighted loss (D-PACE) cannot train the LM head or Markov head weight")
         M = h.shape[0]
         row_loss = torch.empty(M, dtype=torch.float32, device=h.device)
@@ -161,27 +198,31 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         top_k = collect.get("top_k", 0) if collect is not None else 0
         if top_k:  # the logits' top k, for DFlash 2's selector loss (no second LM-head pass there)
             collect["candidates"] = torch.empty(M, top_k, dtype=torch.long, device=h.device)
-        if collect is not None and teacher_h is not None:
+            collect["candidate_logits"] = torch.empty(M, top_k, dtype=torch.float32, device=h.device)
+            collect["chosen_logit"] = torch.empty(M, dtype=torch.float32, device=h.device)
+        if collect is not None and rows.teacher_h is not None:
             collect["teacher_argmax"] = torch.empty(M, dtype=torch.long, device=h.device)
         for s in range(0, M, chunk_size):
             hc, yc = h[s : s + chunk_size].to(weight.dtype), labels[s : s + chunk_size]  # the LM head's dtype
-            tc = teacher_h[s : s + chunk_size].to(weight.dtype) if teacher_h is not None else None
             ec = e[s : s + chunk_size].to(w2.dtype) if e is not None else None
             n = hc.shape[0]
-            pad = chunk_size - n if ce.static_shape else 0  # one static shape for the compiled chunk
+            pad = chunk_size - n if how.ce.static_shape else 0  # one static shape for the compiled chunk
             hc, yc = _pad_rows(hc, pad), _pad_rows(yc, pad)
-            teacher = _pad_rows(tc, pad) @ weight.t() if tc is not None else None
+            teacher = _teacher_logits(rows, s, n, pad, weight)
             logits = hc @ weight.t()  # [c, V]
             if ec is not None:
                 logits = logits + (_pad_rows(ec, pad) @ w2.t()).to(logits.dtype)
-            lrow, crow, g, arow = ce.fn(logits, yc, teacher, obj, need_h or need_w or need_e or need_w2)
+            lrow, crow, g, arow = how.ce.fn(logits, yc, teacher, obj, need_h or need_w or need_e or need_w2)
             row_loss[s : s + n], row_correct[s : s + n] = lrow[:n], crow[:n]
             if arow is not None:
                 collect["accept"][s : s + n] = arow[:n]
-            if top_k:  # the multiplier (> 0) and the soft cap are monotone: the raw logits' order is theirs
-                collect["candidates"][s : s + n] = logits[:n].topk(top_k, dim=-1).indices
+            chosen = yc[:n]
             if "teacher_argmax" in (collect or {}):
-                collect["teacher_argmax"][s : s + n] = teacher[:n].argmax(-1)
+                chosen = collect["teacher_argmax"][s : s + n] = teacher[:n].argmax(-1)
+            if top_k:  # the multiplier (> 0) and the soft cap are monotone: the raw logits' order is theirs
+                top = logits[:n].topk(top_k, dim=-1)
+                collect["candidates"][s : s + n], collect["candidate_logits"][s : s + n] = top.indices, top.values
+                collect["chosen_logit"][s : s + n] = logits[:n].gather(1, chosen[:, None])[:, 0]
             del logits, teacher
             if g is not None:
                 g = g[:n]
@@ -195,7 +236,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
                     grad_w2 += (g * w[s : s + n, None].float()).t() @ ec.float()
                 del g
         wf = w.float()
-        lw = reweight(row_loss).float() if reweight is not None else wf
+        lw = how.reweight(row_loss).float() if how.reweight is not None else wf
         if grad_h is not None:
             grad_h = (grad_h * lw[:, None]).to(h.dtype)
         if grad_e is not None:
@@ -222,7 +263,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
             ge = grad_e * grad_loss.to(grad_e.dtype)
         if need_w2:
             gw2 = (saved.pop(0) * grad_loss).to(ctx.dtypes[1])
-        return gh, gw, None, None, None, ge, gw2, None, None, None, None, None
+        return gh, gw, ge, gw2, None, None
 
 
 def block_loss(
@@ -238,13 +279,17 @@ def block_loss(
     reweight: Callable | None = None,
     collect: dict | None = None,
     markov: tuple[torch.Tensor, torch.Tensor] | None = None,
-):
+    teacher_rows: torch.Tensor | None = None,
+):  # reason for 13 parameters: the objective's optional inputs, each None unless a recipe needs it
     """Weighted loss and weighted top-1 accuracy of the drafter's predictions.
 
     hidden [B, Q, H] (final-normed drafter output), lm_head_weight [V, H] (the
     target's, usually frozen), labels [B, Q] long, weights [B, Q] float;
     ``teacher_hidden`` [B, Q, H]: the target's last (normed) hidden state at the
-    position before each label, for ``objective.loss == "kl"``.
+    position before each label, for a teacher objective (``kl``, ``dspark``); with ``teacher_rows``
+    [B, Q] long, ``teacher_hidden`` is [B, S, H] instead and row (b, q)'s teacher is
+    ``teacher_hidden[b, teacher_rows[b, q]]``: overlapping blocks share a position's teacher row, and
+    the LM head runs once per distinct row of a chunk.
     Returns (loss, acc), both 0-dim float32 tensors; loss carries the gradient.
     Rows with weight 0 are skipped; if every weight is 0 both are 0 (and the
     loss stays connected to ``hidden`` so backward still works). Skipping uses a
@@ -281,23 +326,50 @@ def block_loss(
         if objective.accept:
             collect["accept"] = w.new_zeros(labels.shape)
         return (zero, zero.detach(), zero.detach()) if reduction == "sum" else (zero, zero.detach())
-    teacher = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])[idx] if objective.needs_teacher else None
-    rows = (lambda row_loss: reweight(row_loss, idx)) if reweight is not None else None
+    teacher = teacher_idx = None
+    if objective.needs_teacher:
+        teacher = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
+        teacher_idx = torch.arange(y.shape[0], device=y.device)
+        if teacher_rows is not None:  # rows sorted by their teacher row: a chunk's rows share theirs
+            offsets = torch.arange(labels.shape[0], device=y.device)[:, None] * teacher_hidden.shape[1]
+            teacher_idx = (teacher_rows + offsets).reshape(-1)
+            idx = idx[torch.argsort(teacher_idx[idx], stable=True)]
+        teacher_idx = teacher_idx[idx]
+    rows = _Rows(y[idx], w[idx], teacher, teacher_idx)
+    how = _How(int(chunk_size), ce, objective, (lambda row_loss: reweight(row_loss, idx)) if reweight else None,
+               collect)
     e, w2 = (markov[0].reshape(-1, markov[0].shape[-1])[idx], markov[1]) if markov is not None else (None, None)
-    loss_sum, correct, loss_weight = _ChunkedLinearLoss.apply(h[idx], lm_head_weight, y[idx], w[idx], teacher, e, w2,
-                                                              int(chunk_size), ce, objective, rows, collect)
+    loss_sum, correct, loss_weight = _ChunkedLinearLoss.apply(h[idx], lm_head_weight, e, w2, rows, how)
     if collect is not None:  # back onto the [B, Q] grid of the inputs
         grid = labels.shape
         if "teacher_argmax" in collect:
             collect["teacher_argmax"] = y.clone().index_copy_(0, idx, collect["teacher_argmax"]).view(grid)
         if "accept" in collect:
             collect["accept"] = w.new_zeros(y.shape[0]).index_copy_(0, idx, collect["accept"]).view(grid)
-        if "candidates" in collect:
-            c = collect["candidates"]
-            collect["candidates"] = c.new_zeros(y.shape[0], c.shape[1]).index_copy_(0, idx, c).view(*grid, -1)
+        for key in ("candidates", "candidate_logits", "chosen_logit"):
+            if key in collect:
+                c = collect[key]
+                collect[key] = c.new_zeros(y.shape[0], *c.shape[1:]).index_copy_(0, idx, c).view(*grid, *c.shape[1:])
     if reduction == "sum":
         return loss_sum, correct, loss_weight
     return loss_sum / loss_weight.clamp(min=1e-12), correct / total
+
+
+class _CandidateLogits(torch.autograd.Function):
+    """(h [c, H], W [V, H] frozen, candidates [c, k], their raw logits [c, k]) -> the logits, whose gradient
+    reaches h as sum_j g_j W[candidate_j] (an embedding bag: no [c, k, H] gather is made or kept)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, candidates, logits):
+        ctx.save_for_backward(weight, candidates)
+        ctx.h_dtype = h.dtype
+        return logits.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, candidates = ctx.saved_tensors
+        gh = torch.nn.functional.embedding_bag(candidates, weight, per_sample_weights=grad.to(weight.dtype), mode="sum")
+        return gh.to(ctx.h_dtype), None, None, None
 
 
 def selector_loss(
@@ -309,8 +381,8 @@ def selector_loss(
     weights: torch.Tensor,
     objective: Objective,
     chunk_size: int = 1024,
-    candidates: torch.Tensor | None = None,
-) -> torch.Tensor:
+    found: dict | None = None,
+) -> torch.Tensor:  # reason for 9 parameters: the selector's inputs, each a tensor of the step
     """DFlash 2's candidate-selector objective: sum of w * CE over each position's top-k candidates.
 
     hidden [B, Q, H] (the drafter's final-normed output), previous [B, Q] (the token
@@ -319,11 +391,11 @@ def selector_loss(
     target's own argmax when a teacher is available, else the data's label), weights
     [B, Q] (the loss's position weights). Candidates are the drafter's own top-k
     (scaled and capped as ``objective`` says; no gradient through the choice); a
-    target token outside them replaces the k-th. The candidates' logits are
-    recomputed from their LM-head rows, so the gradient reaches the drafter through
-    them and the selector, and no [rows, V] tensor is kept for the backward. ``candidates``
-    [B, Q, k]: the drafter's top-k already computed (:func:`block_loss`'s ``collect``); without it
-    the LM head runs here once more. Returns the weighted sum (0-dim, fp32).
+    target token outside them replaces the k-th. The gradient reaches the drafter through
+    the candidates' logits and the selector. ``found``: :func:`block_loss`'s ``collect`` of the
+    same rows (``candidates``, ``candidate_logits``, ``chosen_logit``: the logits its chunks
+    already computed, the chosen token being ``target_tokens``); without it the LM head runs
+    here once more, chunked. Returns the weighted sum (0-dim, fp32).
     """
     H = hidden.shape[-1]
     w = weights.reshape(-1).float()
@@ -333,26 +405,31 @@ def selector_loss(
         return total
     h, prev, tgt, w = hidden.reshape(-1, H)[idx], previous.reshape(-1)[idx], target_tokens.reshape(-1)[idx], w[idx]
     k = selector.top_k
-    known = candidates.reshape(-1, candidates.shape[-1])[idx] if candidates is not None else None
 
     def transform(z):
         z = z.float() * objective.multiplier
         return torch.tanh(z / objective.cap) * objective.cap if objective.cap is not None else z
 
+    def loss(hc, cand, raw, tc, pc, wc):  # cand holds tc (raw: the candidates' logits, carrying the gradient)
+        label = (cand == tc[:, None]).float().argmax(-1)
+        scores = selector.scores(hc, transform(raw), cand, pc)
+        return (torch.nn.functional.cross_entropy(scores, label, reduction="none") * wc).sum()
+
+    if found is not None and "candidate_logits" in found:  # one pass: the logits are known
+        cand = found["candidates"].reshape(-1, k)[idx].clone()
+        raw = found["candidate_logits"].reshape(-1, k)[idx].clone()
+        miss = (cand != tgt[:, None]).all(-1)
+        cand[miss, -1] = tgt[miss]
+        raw[miss, -1] = found["chosen_logit"].reshape(-1)[idx][miss]
+        return total + loss(h, cand, _CandidateLogits.apply(h, lm_head_weight, cand, raw), tgt, prev, w)
     for s in range(0, h.shape[0], chunk_size):
         hc, tc = h[s : s + chunk_size], tgt[s : s + chunk_size]
         with torch.no_grad():
-            if known is not None:
-                cand = known[s : s + chunk_size].clone()
-            else:
-                cand = transform(hc.to(lm_head_weight.dtype) @ lm_head_weight.t()).topk(k, dim=-1).indices  # [c, k]
+            cand = transform(hc.to(lm_head_weight.dtype) @ lm_head_weight.t()).topk(k, dim=-1).indices  # [c, k]
             miss = (cand != tc[:, None]).all(-1)
             cand[miss, -1] = tc[miss]
-            label = (cand == tc[:, None]).float().argmax(-1)
-        unary = transform(torch.einsum("ch,ckh->ck", hc.to(lm_head_weight.dtype), lm_head_weight[cand]))
-        scores = selector.scores(hc, unary, cand, prev[s : s + chunk_size])
-        ce = torch.nn.functional.cross_entropy(scores, label, reduction="none")
-        total = total + (ce * w[s : s + chunk_size]).sum()
+        raw = torch.einsum("ch,ckh->ck", hc.to(lm_head_weight.dtype), lm_head_weight[cand])
+        total = total + loss(hc, cand, raw, tc, prev[s : s + chunk_size], w[s : s + chunk_size])
     return total
 
 

@@ -381,9 +381,15 @@ class Attention(nn.Module):
         cos/sin [B, 1, Q, D] block positions; attn: None (everything visible),
         bool [B, 1, Q, S+Q], or a BlockMask over the same key layout. -> [B, Q, H]."""
         B, Q, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, Q, self.n_heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
-        blk_k, blk_v = self.project_kv(x, cos, sin)
+        fused = getattr(self, "qkv_weight", None)  # decoding: q/k/v as one matmul (decode.layer.fuse_projections)
+        if fused is None:
+            q = self.q_proj(x)
+            blk_k, blk_v = self.project_kv(x, cos, sin)
+        else:
+            q, k, v = F.linear(x, fused).split(self.fused_sizes, dim=-1)
+            blk_k = apply_rope(self.k_norm(k.view(B, Q, self.n_kv, self.head_dim)).transpose(1, 2), cos, sin)
+            blk_v = v.view(B, Q, self.n_kv, self.head_dim).transpose(1, 2)
+        q = apply_rope(self.q_norm(q.view(B, Q, self.n_heads, self.head_dim)).transpose(1, 2), cos, sin)
         k = torch.cat([ctx_k, blk_k], dim=2)
         v = torch.cat([ctx_v, blk_v], dim=2)
         groups = self.n_heads // self.n_kv
@@ -407,6 +413,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(I, H, bias=False)
 
     def forward(self, x):
+        fused = getattr(self, "gate_up_weight", None)  # decoding: gate and up as one matmul
+        if fused is not None:
+            gate, up = F.linear(x, fused).split(self.fused_sizes, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -229,10 +229,7 @@ def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
     with torch.no_grad():
         target_hidden, final = _target_outputs(target, batch, setup, obj.needs_teacher)
         rows = _rows_before_labels(batch.anchors, S, bs, setup.label_shift)
-        teacher = None
-        if obj.needs_teacher:  # the target's last hidden state at the position before each label
-            teacher = final.gather(1, rows[..., None].expand(-1, -1, final.shape[-1]))
-            del final
+        teacher = final if obj.needs_teacher else None  # the target's last hidden state: rows index it
         block_ids, labels, weights = build_block_inputs(
             batch.input_ids, batch.loss_mask, batch.anchors, batch.keep, bs, setup.mask_token_id, setup.gamma,
             setup.label_shift
@@ -256,7 +253,8 @@ def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
     previous_embeds = markov.markov_w1(previous) if markov is not None else None  # DSpark: teacher-forced
     loss_sum, correct, loss_weight = block_loss(hidden, lm_head, labels, weights, setup.loss_chunk_size,
                                                 reduction="sum", ce=setup.chunk_ce, objective=obj,
-                                                teacher_hidden=teacher, reweight=reweight, collect=found,
+                                                teacher_hidden=teacher, teacher_rows=rows, reweight=reweight,
+                                                collect=found,
                                                 markov=(previous_embeds, markov.markov_w2.weight) if markov else None)
     if markov is not None:  # the confidence head learns each row's acceptance
         loss_sum = loss_sum + DSPARK_CONFIDENCE * confidence_loss(drafter.confidence_head, hidden, previous_embeds,
@@ -265,7 +263,7 @@ def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
         chosen = found.get("teacher_argmax", labels)  # the target's own greedy token, with a teacher
         loss_sum = loss_sum + setup.selector_weight * selector_loss(
             selector, hidden, lm_head, previous, chosen, weights, obj, setup.loss_chunk_size,
-            candidates=found["candidates"])
+            found=found)
     mark("drafter_forward")
     return loss_sum, correct, loss_weight, weights.sum()
 
