@@ -45,4 +45,5 @@ batch1)
   echo "unknown: $what" >&2; exit 2 ;;
 esac
 echo "[$(date +%T)] done"
-tar czf "$out/$what.tar.gz" -C "$out" --exclude "$what.tar.gz" .  # the device returns few files: all in one
+# the device returns few files: all of them in one
+tar czf "/tmp/$what.tar.gz" -C "$out" . && rm -rf "${out:?}"/* && mv "/tmp/$what.tar.gz" "$out/"
