@@ -533,3 +533,16 @@ def test_block_loss_with_teacher_rows_equals_the_gathered_teacher():
         out.append((value.detach(), acc, h.grad, found["teacher_argmax"]))
     for a, b in zip(*out):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("V", [1000, 1024, 40])
+def test_top_k_by_groups_is_topk(V):
+    from dflashpipe.drafter.loss import top_k_by_groups
+
+    x = torch.randn(7, V, generator=torch.Generator().manual_seed(V))
+    x[0, :20] = 50.0 + torch.arange(20.0)  # a row whose top k sit in one group
+    values, indices = top_k_by_groups(x, 5, group=16)
+    ref = x.topk(5, dim=-1)
+    torch.testing.assert_close(values, ref.values)
+    assert torch.equal(indices, ref.indices)
+    assert torch.equal(x.gather(1, indices), values)

@@ -65,7 +65,7 @@ CE = Objective()
 
 def _chunk_stats(logits, y, teacher, obj: Objective, need_grad: bool):
     """One chunk of rows: (loss per row [c], correct per row [c], d loss_row / d logits [c, V] or None,
-    acceptance per row [c] or None).
+    acceptance per row [c] or None, the teacher's argmax per row [c] or None).
 
     logits [c, V] (the drafter's, before any transform) in the LM head's dtype; y [c]
     long; teacher [c, V] (the target's logits) or None. The math runs in fp32, and so
@@ -80,11 +80,13 @@ def _chunk_stats(logits, y, teacher, obj: Objective, need_grad: bool):
     correct = (x.argmax(dim=-1) == y).float()
     onehot = torch.arange(x.shape[1], device=x.device)[None, :] == y[:, None]
     ce = lse - x.gather(1, y[:, None])[:, 0]
+    teacher_argmax = None
     if teacher is None:
         p = onehot.float()
     else:
         log_p = torch.log_softmax(teacher.float(), dim=-1)
         p = log_p.exp()
+        teacher_argmax = teacher.argmax(dim=-1)  # fused with the softmax's pass over the teacher
     q = torch.exp(x - lse[:, None])
     l1 = (q - p).abs().sum(-1) if obj.loss == "dspark" or obj.tv_weight > 0 or obj.accept else None
     if obj.loss == "ce":
@@ -98,7 +100,7 @@ def _chunk_stats(logits, y, teacher, obj: Objective, need_grad: bool):
         per_row = per_row + obj.tv_weight * 0.5 * l1
     accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0) if obj.accept else None
     if not need_grad:
-        return per_row, correct, None, accept
+        return per_row, correct, None, accept, teacher_argmax
     g = DSPARK_CE * (q - onehot.float()) if obj.loss == "dspark" else q - p  # d(CE, KL or its CE part)/dx
     if l1_weight > 0:
         s = torch.sign(q - p)
@@ -107,7 +109,7 @@ def _chunk_stats(logits, y, teacher, obj: Objective, need_grad: bool):
         g = g * (1.0 - (x / obj.cap) ** 2)
     if obj.multiplier != 1.0:
         g = g * obj.multiplier
-    return per_row, correct, g, accept
+    return per_row, correct, g, accept, teacher_argmax
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,22 @@ def compiled_chunk_ce() -> ChunkCE:
     return ChunkCE(torch.compile(_chunk_stats, dynamic=False), static_shape=True)
 
 
+def top_k_by_groups(x: torch.Tensor, k: int, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.topk(k, dim=-1)`` (values, indices) of x [c, V] in two small steps instead of one over V: the k
+    groups of ``group`` columns with the largest maxima hold every one of the k largest values, so the
+    top k of those groups' columns are the top k of the row (the same values; among equal values the
+    indices may differ, as topk's own order among ties is unspecified)."""
+    c, V = x.shape
+    if V <= 2 * k * group:
+        return x.topk(k, dim=-1)
+    if V % group:
+        x = torch.nn.functional.pad(x, (0, group - V % group), value=float("-inf"))
+    blocks = x.view(c, -1, group)
+    best = blocks.amax(-1).topk(k, dim=-1).indices  # [c, k] groups
+    values, at = blocks.gather(1, best[..., None].expand(-1, -1, group)).reshape(c, k * group).topk(k, dim=-1)
+    return values, best.gather(1, at // group) * group + at % group
+
+
 def _pad_rows(t, n):
     return torch.cat([t, t.new_zeros(n, *t.shape[1:])]) if n else t
 
@@ -138,6 +156,7 @@ class _Rows:
     [M]; the teacher's hidden rows [T, H] (or None) and, per row, the index of its teacher row [M] (rows sorted
     by it, so that a chunk's rows share few teacher rows and the LM head runs once per distinct one)."""
 
+    idx: torch.Tensor  # the rows of h (and e) scored: those of weight > 0
     labels: torch.Tensor
     w: torch.Tensor
     teacher_h: torch.Tensor | None = None
@@ -169,8 +188,10 @@ def _teacher_logits(rows: _Rows, s: int, n: int, pad: int, weight: torch.Tensor)
 
 
 class _ChunkedLinearLoss(torch.autograd.Function):
-    """(h [M, H], W [V, H], e [M, r] or None, W2 [V, r] or None, :class:`_Rows`, :class:`_How`)
-    -> (sum_i w_i*loss_i, sum_i w_i*[argmax_i == label_i], sum_i w_i).
+    """(h [N, H], W [V, H], e [N, r] or None, W2 [V, r] or None, :class:`_Rows`, :class:`_How`)
+    -> (sum_i w_i*loss_i, sum_i w_i*[argmax_i == label_i], sum_i w_i) over the M rows ``rows.idx`` of h.
+
+    The rows are picked inside (the other rows' gradient is 0), so autograd needs no index backward.
 
     The logits of row i are ``h_i @ W.T`` (+ ``e_i @ W2.T``: DSpark's Markov head).
     ``reweight`` (optional, no gradient): per-row losses [M] -> the weights [M] the loss
@@ -180,12 +201,14 @@ class _ChunkedLinearLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, e, w2, rows: _Rows, how: _How):
+    def forward(ctx, h_all, weight, e_all, w2, rows: _Rows, how: _How):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_e, need_w2 = ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         obj, collect, chunk_size, labels, w = how.obj, how.collect, how.chunk_size, rows.labels, rows.w
         if (need_w or need_w2) and how.reweight is not None:
             raise ValueError("block_loss: a re-weighted loss (D-PACE) cannot train the LM head or Markov head weight")
+        h = h_all.index_select(0, rows.idx)
+        e = e_all.index_select(0, rows.idx) if e_all is not None else None
         M = h.shape[0]
         row_loss = torch.empty(M, dtype=torch.float32, device=h.device)
         row_correct = torch.empty(M, dtype=torch.float32, device=h.device)
@@ -212,16 +235,16 @@ class _ChunkedLinearLoss(torch.autograd.Function):
             logits = hc @ weight.t()  # [c, V]
             if ec is not None:
                 logits = logits + (_pad_rows(ec, pad) @ w2.t()).to(logits.dtype)
-            lrow, crow, g, arow = how.ce.fn(logits, yc, teacher, obj, need_h or need_w or need_e or need_w2)
+            lrow, crow, g, arow, targmax = how.ce.fn(logits, yc, teacher, obj, need_h or need_w or need_e or need_w2)
             row_loss[s : s + n], row_correct[s : s + n] = lrow[:n], crow[:n]
             if arow is not None:
                 collect["accept"][s : s + n] = arow[:n]
             chosen = yc[:n]
             if "teacher_argmax" in (collect or {}):
-                chosen = collect["teacher_argmax"][s : s + n] = teacher[:n].argmax(-1)
+                chosen = collect["teacher_argmax"][s : s + n] = targmax[:n]
             if top_k:  # the multiplier (> 0) and the soft cap are monotone: the raw logits' order is theirs
-                top = logits[:n].topk(top_k, dim=-1)
-                collect["candidates"][s : s + n], collect["candidate_logits"][s : s + n] = top.indices, top.values
+                values, indices = top_k_by_groups(logits[:n], top_k)
+                collect["candidates"][s : s + n], collect["candidate_logits"][s : s + n] = indices, values
                 collect["chosen_logit"][s : s + n] = logits[:n].gather(1, chosen[:, None])[:, 0]
             del logits, teacher
             if g is not None:
@@ -237,10 +260,10 @@ class _ChunkedLinearLoss(torch.autograd.Function):
                 del g
         wf = w.float()
         lw = how.reweight(row_loss).float() if how.reweight is not None else wf
-        if grad_h is not None:
-            grad_h = (grad_h * lw[:, None]).to(h.dtype)
+        if grad_h is not None:  # onto every row of h: 0 where not scored
+            grad_h = h_all.new_zeros(h_all.shape).index_copy_(0, rows.idx, (grad_h * lw[:, None]).to(h.dtype))
         if grad_e is not None:
-            grad_e = (grad_e * lw[:, None]).to(e.dtype)
+            grad_e = e_all.new_zeros(e_all.shape).index_copy_(0, rows.idx, (grad_e * lw[:, None]).to(e.dtype))
         ctx.save_for_backward(*(t for t in (grad_h, grad_w, grad_e, grad_w2) if t is not None))
         ctx.has = (need_h, need_w, need_e, need_w2)
         ctx.dtypes = (weight.dtype, w2.dtype if w2 is not None else None)
@@ -335,11 +358,11 @@ def block_loss(
             teacher_idx = (teacher_rows + offsets).reshape(-1)
             idx = idx[torch.argsort(teacher_idx[idx], stable=True)]
         teacher_idx = teacher_idx[idx]
-    rows = _Rows(y[idx], w[idx], teacher, teacher_idx)
+    rows = _Rows(idx, y[idx], w[idx], teacher, teacher_idx)
     how = _How(int(chunk_size), ce, objective, (lambda row_loss: reweight(row_loss, idx)) if reweight else None,
                collect)
-    e, w2 = (markov[0].reshape(-1, markov[0].shape[-1])[idx], markov[1]) if markov is not None else (None, None)
-    loss_sum, correct, loss_weight = _ChunkedLinearLoss.apply(h[idx], lm_head_weight, e, w2, rows, how)
+    e, w2 = (markov[0].reshape(-1, markov[0].shape[-1]), markov[1]) if markov is not None else (None, None)
+    loss_sum, correct, loss_weight = _ChunkedLinearLoss.apply(h, lm_head_weight, e, w2, rows, how)
     if collect is not None:  # back onto the [B, Q] grid of the inputs
         grid = labels.shape
         if "teacher_argmax" in collect:
@@ -397,14 +420,8 @@ def selector_loss(
     already computed, the chosen token being ``target_tokens``); without it the LM head runs
     here once more, chunked. Returns the weighted sum (0-dim, fp32).
     """
-    H = hidden.shape[-1]
-    w = weights.reshape(-1).float()
-    idx = (w > 0).nonzero(as_tuple=True)[0]
-    total = (hidden.sum() * 0.0).float()
-    if idx.numel() == 0:
-        return total
-    h, prev, tgt, w = hidden.reshape(-1, H)[idx], previous.reshape(-1)[idx], target_tokens.reshape(-1)[idx], w[idx]
-    k = selector.top_k
+    H, k = hidden.shape[-1], selector.top_k
+    h, prev, tgt, w = hidden.reshape(-1, H), previous.reshape(-1), target_tokens.reshape(-1), weights.reshape(-1).float()
 
     def transform(z):
         z = z.float() * objective.multiplier
@@ -415,13 +432,15 @@ def selector_loss(
         scores = selector.scores(hc, transform(raw), cand, pc)
         return (torch.nn.functional.cross_entropy(scores, label, reduction="none") * wc).sum()
 
-    if found is not None and "candidate_logits" in found:  # one pass: the logits are known
-        cand = found["candidates"].reshape(-1, k)[idx].clone()
-        raw = found["candidate_logits"].reshape(-1, k)[idx].clone()
+    if found is not None and "candidate_logits" in found:  # one pass over every row (weight 0: adds 0)
+        cand, raw = found["candidates"].reshape(-1, k).clone(), found["candidate_logits"].reshape(-1, k).clone()
         miss = (cand != tgt[:, None]).all(-1)
         cand[miss, -1] = tgt[miss]
-        raw[miss, -1] = found["chosen_logit"].reshape(-1)[idx][miss]
-        return total + loss(h, cand, _CandidateLogits.apply(h, lm_head_weight, cand, raw), tgt, prev, w)
+        raw[miss, -1] = found["chosen_logit"].reshape(-1)[miss]
+        return loss(h, cand, _CandidateLogits.apply(h, lm_head_weight, cand, raw), tgt, prev, w)
+    idx = (w > 0).nonzero(as_tuple=True)[0]
+    total = (hidden.sum() * 0.0).float()
+    h, prev, tgt, w = h[idx], prev[idx], tgt[idx], w[idx]
     for s in range(0, h.shape[0], chunk_size):
         hc, tc = h[s : s + chunk_size], tgt[s : s + chunk_size]
         with torch.no_grad():

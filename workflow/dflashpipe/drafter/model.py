@@ -513,8 +513,9 @@ class CandidateSelector(nn.Module):
     def scores(self, hidden, unary, candidates, previous):
         """hidden [..., H], unary/candidates [..., k], previous [...] -> candidate scores [..., k]."""
         proj = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))
-        query = self.predecessor_codebook[previous] * proj  # [..., rank]
-        pair = (self.successor_codebook[candidates] * query.unsqueeze(-2).to(self.successor_codebook.dtype)).sum(-1)
+        query = F.embedding(previous, self.predecessor_codebook) * proj  # [..., rank]
+        successors = F.embedding(candidates, self.successor_codebook)  # (an embedding's backward: no sort of the grid)
+        pair = (successors * query.unsqueeze(-2).to(self.successor_codebook.dtype)).sum(-1)
         return unary.float() + pair.float()
 
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
