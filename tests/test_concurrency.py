@@ -1,0 +1,200 @@
+"""Batched greedy AR and DFlash (continuous batching over a slotted static KV cache) against batch 1.
+
+The micro target's config with seeded random weights (replies that vary from token to token), in
+float64 so that no near-tie can flip an argmax between a batched block forward and a one-token
+forward: every row must decode exactly what batch-1 AR decodes for its prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO
+from dflashpipe.decode.batched import BatchedDecoder, BatchSettings, SlotDrafter, forced_acceptance
+from dflashpipe.decode.speculative import ARDecoder, DFlashDecoder, DrafterRunner
+from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+BS = 4
+NEW = 16
+LENGTHS = (3, 17, 9, 30, 1, 12, 25)  # mixed prompt lengths
+
+
+@pytest.fixture(scope="module")
+def model64(random_target):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(random_target, dtype=torch.float64).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def case(model64):
+    """7 prompts, end tokens that stop two replies mid-way, and every prompt's batch-1 AR reply."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, model64.config.vocab_size, (n,), generator=g).tolist() for n in LENGTHS]
+    free = [ARDecoder(model64, []).generate(p, NEW).tokens for p in prompts[:2]]
+    eos = [free[0][5], free[1][9]]
+    ref = [ARDecoder(model64, eos).generate(p, NEW) for p in prompts]
+    assert {r.stop_reason for r in ref} == {"eos", "length"}  # both ways of ending are exercised
+    return prompts, eos, ref
+
+
+def make_drafter(model, seed=0, **arch):
+    cfg = DrafterConfig.from_target_config(model.config, num_hidden_layers=2, block_size=BS, mask_token_id=3, **arch)
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(cfg)
+    with torch.no_grad():  # large weights: drafts that change with the context (and with DSpark's Markov head
+        for name, p in drafter.named_parameters():  # and DFlash 2's candidate selector)
+            if p.dim() >= 2 and "conv" not in name:
+                p.normal_(0.0, 0.5 if "proj" in name or "fc" in name else 1.0)
+    return drafter.to(torch.float64).eval()
+
+
+def assert_like_ar(run, ref):
+    for i, (got, want) in enumerate(zip(run.results, ref)):
+        assert got.tokens == want.tokens, f"prompt {i}"
+        assert got.stop_reason == want.stop_reason
+
+
+@pytest.mark.parametrize("slots", [1, 3, 8])
+def test_batched_ar_equals_batch1_ar(model64, case, slots):
+    """1 and 3 rows: more prompts than rows (rows reused); 8: one row stays free (decodes garbage)."""
+    prompts, eos, ref = case
+    dec = BatchedDecoder(model64, BatchSettings(slots=slots, max_new_tokens=NEW), eos)
+    run = dec.generate(prompts)
+    assert_like_ar(run, ref)
+    assert max(run.busy_rows) == min(slots, len(prompts)) and run.steps >= NEW - 1
+    assert dec.mode == "slots+dense"
+    assert [r.tokens for r in dec.generate(prompts).results] == [r.tokens for r in run.results]  # reused buffers
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dflash2", "dspark", "sliding"])
+@pytest.mark.parametrize("slots", [1, 3])
+def test_batched_dflash_equals_batch1_ar_and_drafts_as_batch1(model64, case, arch, slots):
+    """A random drafter through the real path (features, per-row contexts): lossless, and each row's
+    acceptance per step is batch-1 DFlash's (so each row drafted what batch 1 drafts)."""
+    prompts, eos, ref = case
+    kw = {"arch": arch} if arch != "sliding" else {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+    drafter = make_drafter(model64, **kw)
+    run = BatchedDecoder(model64, BatchSettings(slots=slots, max_new_tokens=NEW), eos, drafter).generate(prompts)
+    assert_like_ar(run, ref)
+    one = DFlashDecoder(model64, drafter, drafter.cfg, eos)
+    assert [r.accepted for r in run.results] == [one.generate(p, NEW).accepted for p in prompts]
+
+
+def oracle_drafts(ref, req: int, done: int, D: int, vocab: int) -> list[int]:
+    """The reference reply's next D tokens, one of them wrong at a place that varies with the request and
+    the step (or none): every accepted length 0..D occurs."""
+    want = ref[req].tokens[done : done + D]
+    want = want + [0] * (D - len(want))
+    bad = (7 * req + 5 * done) % (D + 2)  # D or D+1: no wrong draft
+    if bad < D:
+        want[bad] = (want[bad] + 1) % vocab
+    return want
+
+
+class Oracle(BatchedDecoder):
+    """Drafts :func:`oracle_drafts`; records what the real drafter drafted for each request at each step
+    (its context then holds the verified positions of the oracle's steps)."""
+
+    def __init__(self, *args, ref, off_by_one=False, **kw):
+        super().__init__(*args, **kw)
+        self.ref, self.off_by_one, self.real = ref, off_by_one, [[] for _ in ref]
+
+    def _propose(self, book, last, start):
+        real = self.draft.propose(last, start).tolist()
+        rows = []
+        for r, req in enumerate(book.owner):
+            if req < 0:
+                rows.append([0] * (self.block - 1))
+                continue
+            done = len(book.results[req].tokens)
+            self.real[req].append(real[r])
+            rows.append(oracle_drafts(self.ref, req, done, self.block - 1, self.model.config.vocab_size))
+        return torch.tensor(rows, device=last.device)
+
+    def _accept(self, drafts, greedy):
+        a = super()._accept(drafts, greedy)
+        return min(a + 1, len(drafts)) if self.off_by_one else a
+
+
+class Oracle1(DFlashDecoder):
+    """The batch-1 loop with the same oracle and the same record."""
+
+    def __init__(self, *args, ref, **kw):
+        super().__init__(*args, **kw)
+        self.ref, self.req, self.real = ref, 0, [[] for _ in ref]
+
+    def _propose(self, dcache, seq, last):
+        self.real[self.req].append(super()._propose(dcache, seq, last).tolist())
+        done = len(seq) - self.ref[self.req].prompt_tokens
+        return torch.tensor(oracle_drafts(self.ref, self.req, done, self.n_drafts, self.target.model.config.vocab_size))
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dspark"])
+@pytest.mark.parametrize("slots", [1, 3])
+def test_accepted_drafts_are_lossless_and_a_broken_verifier_is_caught(model64, case, slots, arch):
+    """Every accepted length occurs: outputs are AR's, and each row's real drafter (its context grown by
+    the verified positions) drafts at every step what the batch-1 drafter drafts."""
+    prompts, eos, ref = case
+    drafter = make_drafter(model64, arch=arch)
+    dec = Oracle(model64, BatchSettings(slots=slots, max_new_tokens=NEW), eos, drafter, ref=ref)
+    run = dec.generate(prompts)
+    assert_like_ar(run, ref)
+    D = drafter.cfg.num_drafts
+    assert {a for r in run.results for a in r.accepted} == set(range(D + 1)) and run.tau > 1.5
+    one = Oracle1(model64, drafter, drafter.cfg, eos, ref=ref)
+    for one.req, p in enumerate(prompts):
+        assert one.generate(p, NEW).accepted == run.results[one.req].accepted
+    assert dec.real == one.real
+    broken = Oracle(model64, BatchSettings(slots=slots, max_new_tokens=NEW), eos, drafter, ref=ref, off_by_one=True)
+    assert [r.tokens for r in broken.generate(prompts).results] != [r.tokens for r in ref]
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dflash2", "dspark"])
+def test_slot_drafter_rows_draft_as_the_batch1_drafter(model64, arch):
+    """Rows with contexts of different lengths, then a verified block each (different accepted counts):
+    every row's drafts equal the batch-1 drafter's (eager DraftCache) on the same context."""
+    drafter = make_drafter(model64, seed=1, arch=arch)
+    cfg, F = drafter.cfg, len(drafter.cfg.target_layer_ids) * drafter.cfg.hidden_size
+    embed, head = model64.get_input_embeddings(), model64.get_output_embeddings()
+    g = torch.Generator().manual_seed(3)
+    lengths, accepted = [5, 11, 2], [0, 3, 1]
+    feats = torch.randn(3, 11, F, generator=g, dtype=torch.float64)
+    block = torch.randn(3, cfg.num_drafts + 1, F, generator=g, dtype=torch.float64)
+    last = torch.tensor([7, 8, 9])
+    slots = SlotDrafter(drafter, embed, head, slots=3, capacity=64, cuda_graphs=False)
+    slots.prefill([2, 0, 1], feats, lengths)  # row r holds request order[r]
+    order = [1, 2, 0]
+    start = torch.tensor([lengths[q] for q in order])
+    first = slots.propose(last, start)
+    slots.extend(block[order], start, start + torch.tensor([accepted[q] for q in order]) + 1)
+    second = slots.propose(last, start + torch.tensor([accepted[q] for q in order]) + 1)
+    one = DrafterRunner(drafter, embed, head, cfg.mask_token_id)
+    for r, q in enumerate(order):
+        cache, n = one.new_cache(), lengths[q]
+        one.extend(cache, feats[q : q + 1], 0, n)
+        assert first[r].tolist() == one.propose(cache, n + 1, last[r].view(1, 1)).tolist()
+        one.extend(cache, block[q : q + 1], n, accepted[q] + 1)
+        assert second[r].tolist() == one.propose(cache, n + accepted[q] + 2, last[r].view(1, 1)).tolist()
+
+
+def test_forced_tau_draws_the_asked_acceptance(model64, case):
+    """The benchmark's fixed-tau mode (not lossless): acceptance drawn with the asked mean length."""
+    prompts, _, _ = case
+    for tau in (1.0, 2.5, BS):
+        p = forced_acceptance(BS - 1, tau)
+        assert abs(1 + sum(p**k for k in range(1, BS)) - tau) < 1e-9
+    with pytest.raises(ValueError):
+        forced_acceptance(BS - 1, BS + 0.5)
+    dec = BatchedDecoder(model64, BatchSettings(slots=4, max_new_tokens=64, forced_tau=2.5), [], make_drafter(model64))
+    run = dec.generate(prompts)
+    raw = [c for r in run.results for c in r.committed_raw]
+    assert abs(sum(raw) / len(raw) - 2.5) < 0.25 and all(r.new_tokens == 64 for r in run.results)
