@@ -198,3 +198,57 @@ def test_forced_tau_draws_the_asked_acceptance(model64, case):
     run = dec.generate(prompts)
     raw = [c for r in run.results for c in r.committed_raw]
     assert abs(sum(raw) / len(raw) - 2.5) < 0.25 and all(r.new_tokens == 64 for r in run.results)
+
+
+def load_benchmark():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("concurrency_benchmark", REPO / "benchmarks" / "concurrency.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def finished_run(random_target, tmp_path):
+    """A results directory laid out as a finished pipeline run's: target, drafter, prompts, an eval summary."""
+    import shutil
+
+    from conftest import PROMPTS
+    from dflashpipe.data import prepare_prompts
+    from dflashpipe.drafter.export import save_drafter
+    from dflashpipe.target import load_target
+
+    run = tmp_path / "results"
+    shutil.copytree(random_target, run / "target" / "model")
+    target, tok = load_target(str(random_target))
+    cfg = DrafterConfig.from_target_config(target.config, num_hidden_layers=1, block_size=BS,
+                                           mask_token_id=tok.mask_token_id)
+    torch.manual_seed(0)
+    save_drafter(DFlashDrafter(cfg), cfg, run / "drafter", target.config)
+    prepare_prompts({"path": str(PROMPTS / "math_heldout.jsonl.gz"), "messages_column": "messages", "limit": 3},
+                    "math_heldout", str(run / "prompts" / "math_heldout.parquet"))
+    (run / "eval").mkdir()
+    (run / "eval" / "math_heldout.summary.json").write_text(json.dumps({"chat_template_kwargs": {}}))
+    return run
+
+
+def test_benchmark_smoke_both_modes(finished_run, tmp_path):
+    """benchmarks/concurrency.py on the CPU: the tiny shapes (forced and real acceptance) and a finished
+    run's target, drafter and prompts (real acceptance, lossless rows), JSON and plot written."""
+    out = tmp_path / "out"
+    bench = load_benchmark()
+    assert bench.main(["--device", "cpu", "--tiny", "--run", str(finished_run), "--concurrency", "1,2",
+                       "--new", "6", "--tau", "2.5,real", "--prompt-len", "12", "--block-size", "4", "--layers", "1",
+                       "--out", str(out)]) == 0
+    res = json.loads((out / "concurrency.json").read_text())
+    assert set(res["modes"]) == {"tiny", "run:math_heldout"}
+    for label, section in res["modes"].items():
+        assert [r["concurrency"] for r in section["by_concurrency"]] == [1, 2]
+        for row in section["by_concurrency"]:
+            assert row["ar"]["total_tok_s"] > 0 and row["ar_slot_decoder"]["total_tok_s"] > 0
+            assert row["dflash"]["speedup_total"] > 0 and row["dflash"]["lossless_exact_rows"] == row["prompts"]
+            assert row["dflash"]["tau"] >= 1
+    assert res["modes"]["tiny"]["by_concurrency"][1]["dflash_forced_tau_2.5"]["tau"] > 1.2
+    assert (out / "speedup_vs_concurrency.png").stat().st_size > 0

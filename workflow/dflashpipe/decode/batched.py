@@ -383,7 +383,8 @@ class BatchedDecoder:
         self.mode = self.target.mode
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]]) -> BatchRun:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | None = None) -> BatchRun:
+        """Decode every prompt (``max_new_tokens``: settings' by default; a warm-up may ask fewer)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("batched decoding: needs prompts of at least one token")
         self._ensure(prompts)
@@ -392,7 +393,8 @@ class BatchedDecoder:
         self._rng = random.Random(self.s.seed)
         if self.s.forced_tau is not None and self.drafter is not None:
             self._p = forced_acceptance(self.block - 1, self.s.forced_tau)
-        book = _Book(prompts, self.s.slots, self.s.max_new_tokens, self.eos)
+        new = self.s.max_new_tokens if max_new_tokens is None else min(int(max_new_tokens), self.s.max_new_tokens)
+        book = _Book(prompts, self.s.slots, new, self.eos)
         run = BatchRun(results=book.results, wall_s=0.0)
         dev = self.target.device
         sync(dev)
