@@ -94,6 +94,8 @@ def timed_run(case: Case, prompts, c: int, a, tau, capacity: int) -> tuple[dict,
     s = BatchSettings(slots=c, max_new_tokens=a.new, capacity=capacity, cuda_graphs=None if a.graphs else False,
                       forced_tau=tau if isinstance(tau, float) else None)
     dec = BatchedDecoder(case.target, s, case.eos, case.drafter if tau is not None else None)
+    if torch.device(a.device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     dec.generate(prompts[:c], max_new_tokens=a.warmup_new)
     sync(a.device)
@@ -130,7 +132,7 @@ def at_concurrency(case: Case, c: int, a) -> dict:
     k = a.waves * c
     prompts = [case.prompts[i % len(case.prompts)] for i in range(k)]
     bs = case.drafter.cfg.num_drafts + 1
-    capacity = round_capacity(max(len(p) for p in prompts) + a.new + 2 * bs)
+    capacity = round_capacity(max(len(p) for p in prompts) + a.new + 2 * bs, 64)  # attention reads it all
     res: dict = {"concurrency": c, "prompts": k}
     res["ar"], ar_tokens = timed_run(case, prompts, c, a, None, capacity)
     for tau in case.taus:
@@ -271,6 +273,8 @@ def main(argv=None) -> int:
     outdir.mkdir(parents=True, exist_ok=True)
     out = {"device": torch.cuda.get_device_name() if torch.device(a.device).type == "cuda" else "cpu",
            "torch": torch.__version__, "new_tokens": a.new, "waves": a.waves, "cuda_graphs": a.graphs, "modes": {}}
+    if torch.device(a.device).type == "cuda":  # as the evaluation: cuDNN attention plans each new shape (prefills)
+        torch.backends.cuda.enable_cudnn_sdp(False)
     makers = ([shapes_case] if a.shapes else []) + ([run_case] if a.run else [])
     for make in makers:
         t0 = time.perf_counter()

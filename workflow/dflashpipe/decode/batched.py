@@ -26,7 +26,8 @@ with one harness for both methods:
 Every step computes all ``slots`` rows (free rows decode garbage in their own row), so its shapes
 are static: on a GPU each step (target AR step, verify step, draft, context update) is captured
 once as a CUDA graph and replayed; prefills (variable lengths) run uncaptured. Attention reads the
-whole capacity of each row, masked (dense): right for the short replies the benchmark decodes.
+whole capacity of each row, masked (dense, grouped KV heads read once): right for the short replies the
+benchmark decodes (a capacity of a few hundred positions).
 
 ``BatchSettings.forced_tau`` (benchmarks only, NOT lossless): acceptance is drawn at random with
 mean accepted length ``tau`` instead of checked, so a random-weight target and drafter cost what a
@@ -40,7 +41,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from dflashpipe.decode.cuda_graph import capture, round_capacity
 from dflashpipe.decode.layer import attention_dims, attention_inputs, finish_layer, fuse_projections
@@ -54,7 +54,7 @@ class BatchSettings:
     """How :class:`BatchedDecoder` decodes.
 
     ``slots``: rows of the KV cache (the concurrency). ``capacity``: positions per row (None: the
-    longest prompt + ``max_new_tokens`` + two blocks, rounded up to 256). ``cuda_graphs``: None =
+    longest prompt + ``max_new_tokens`` + two blocks, rounded up to 64). ``cuda_graphs``: None =
     on a GPU. ``forced_tau``: benchmarks only, see the module doc (None: real, lossless acceptance).
     """
 
@@ -113,6 +113,7 @@ class SlotTarget:
         self.n_heads, self.n_kv, self.head_dim = attention_dims(model.config)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.score_dtype = torch.promote_types(self.dtype, torch.float32)  # softmax in fp32 (fp64 for fp64 models)
         self.slots, self.capacity, self.layer_ids = int(slots), int(capacity), list(layer_ids)
         shape = (self.slots, self.n_kv, self.capacity, self.head_dim)
         self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.inner.layers]
@@ -124,31 +125,42 @@ class SlotTarget:
         self._graphs: dict[tuple[int, bool], tuple] = {}  # (T, features) -> (graph, ids, start, outputs)
         self.mode = "slots+dense" + ("+cuda_graphs" if self.cuda_graphs else "")
 
-    def _forward(self, ids: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, features: bool):
-        """ids [n, T] in ``rows`` [n] at positions start[r].. -> (greedy tokens [n, T], features [n, T, F] or None)."""
+    def _forward(self, ids: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, features: bool, last=None):
+        """ids [n, T] in ``rows`` [n] at positions start[r].. -> (greedy tokens [n, T], features [n, T, F] or None);
+        ``last`` [n] (the prefill): the greedy token after position last[j] only, [n, 1]."""
         n, T = ids.shape
         pos = start.unsqueeze(1) + torch.arange(T, device=self.device)  # [n, T]
         x = self.embed(ids)
         cos, sin = self.inner.rotary_emb(x, pos)
         visible = self.key_pos.view(1, 1, -1) <= pos.unsqueeze(-1)  # [n, T, capacity]
-        mask = torch.zeros(visible.shape, dtype=x.dtype, device=self.device).masked_fill_(~visible, float("-inf"))
-        mask = mask.unsqueeze(1)
-        whole = n == self.slots
+        mask = torch.zeros(visible.shape, dtype=self.score_dtype, device=self.device).masked_fill_(~visible, float("-inf"))
+        mask = mask.view(n, 1, 1, T, self.capacity)
         wanted, feats = set(self.layer_ids) if features else set(), {}
-        last = len(self.inner.layers) - 1
         for i, layer in enumerate(self.inner.layers):
-            a = layer.self_attn
-            q, k, v = attention_inputs(layer, layer.input_layernorm(x), cos, sin, self.n_heads, self.n_kv, self.head_dim)
-            self.k[i][rows.unsqueeze(1), :, pos] = k.transpose(1, 2)  # [n, T, Hkv, D] at each row's positions
-            self.v[i][rows.unsqueeze(1), :, pos] = v.transpose(1, 2)
-            keys, values = (self.k[i], self.v[i]) if whole else (self.k[i][rows], self.v[i][rows])
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.scaling,
-                                               enable_gqa=self.n_kv != self.n_heads)
-            x = finish_layer(layer, x, o.transpose(1, 2).reshape(n, T, -1))
+            x = self._layer(i, layer, x, (cos, sin), rows, pos, mask)
             if i in wanted:
-                feats[i] = self.inner.norm(x) if i == last else x
-        tokens = self.lm_head(self.inner.norm(x)).float().argmax(dim=-1)
+                feats[i] = self.inner.norm(x) if i == len(self.inner.layers) - 1 else x
+        h = self.inner.norm(x)
+        if last is not None:
+            h = h.gather(1, last.view(n, 1, 1).expand(n, 1, h.shape[-1]))
+        tokens = self.lm_head(h).argmax(dim=-1)  # the argmax of the logits' fp32 copy: the same token
         return tokens, (torch.cat([feats[i] for i in self.layer_ids], dim=-1) if features else None)
+
+    def _layer(self, i: int, layer, x, pe, rows, pos, mask):
+        """Decoder layer i: writes the rows' keys/values at their positions, attends over each row's cache
+        (written out for grouped KV heads, as :class:`~.slots.SlotDecoder`'s dense step: K/V read once)."""
+        n, T = pos.shape
+        q, k, v = attention_inputs(layer, layer.input_layernorm(x), *pe, self.n_heads, self.n_kv, self.head_dim)
+        self.k[i][rows.unsqueeze(1), :, pos] = k.transpose(1, 2)  # [n, T, Hkv, D] at each row's positions
+        self.v[i][rows.unsqueeze(1), :, pos] = v.transpose(1, 2)
+        keys, values = (self.k[i], self.v[i]) if n == self.slots else (self.k[i][rows], self.v[i][rows])
+        G = self.n_heads // self.n_kv  # query head h reads kv head h // G
+        qg = q.reshape(n, self.n_kv, G * T, self.head_dim)
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).to(self.score_dtype) * layer.self_attn.scaling
+        scores = scores.view(n, self.n_kv, G, T, self.capacity) + mask
+        p = torch.softmax(scores, dim=-1).to(self.dtype).view(n, self.n_kv, G * T, self.capacity)
+        o = torch.matmul(p, values).view(n, self.n_heads, T, self.head_dim)
+        return finish_layer(layer, x, o.transpose(1, 2).reshape(n, T, -1))
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, start: torch.Tensor, features: bool = False):
@@ -176,9 +188,9 @@ class SlotTarget:
             ids[j, : len(p)] = torch.tensor(p)
         rows_t = torch.tensor(rows, device=self.device)
         start = torch.zeros(len(rows), dtype=torch.long, device=self.device)
-        tokens, feats = self._forward(ids.to(self.device), rows_t, start, features)
         last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        return tokens.gather(1, last.unsqueeze(1))[:, 0], feats
+        tokens, feats = self._forward(ids.to(self.device), rows_t, start, features, last)
+        return tokens[:, 0], feats
 
 
 # ---------------------------------------------------------------------------
@@ -374,7 +386,7 @@ class BatchedDecoder:
                              f"{self.s.max_new_tokens} new tokens + two blocks exceed the capacity {self.s.capacity}")
         if self.target is not None and need <= self.target.capacity:
             return
-        capacity = self.s.capacity or round_capacity(need)
+        capacity = self.s.capacity or round_capacity(need, 64)
         layer_ids = [] if self.drafter is None else self.drafter.cfg.target_layer_ids
         self.target = SlotTarget(self.model, self.s.slots, capacity, layer_ids, self.s.cuda_graphs)
         if self.drafter is not None:
