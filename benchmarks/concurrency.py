@@ -32,6 +32,7 @@ Modes (one or both per call, each a section of the JSON):
 Writes ``concurrency.json`` and ``speedup_vs_concurrency.png`` to ``--out``.
 
     python benchmarks/concurrency.py --shapes qwen3-8b --run results --out $OUT/concurrency
+    bash benchmarks/gpu_concurrency.sh $OUT/concurrency results   # + the CUDA-graph path's correctness check
     python benchmarks/concurrency.py --device cpu --tiny --concurrency 1,2 --new 8 --out /tmp/c   # smoke run
 """
 
@@ -115,7 +116,8 @@ def slot_decoder_ar(case: Case, prompts, c: int, a, capacity: int) -> dict:
     from dflashpipe.decode.slots import SlotDecoder
 
     dec = SlotDecoder(case.target, c, capacity, cuda_graphs=None if a.graphs else False, attention="dense")
-    dec.generate(prompts[:c], [min(a.warmup_new, a.new)] * c, case.eos)
+    # captures every step the run takes: rows finish one after another (every partial-step size)
+    dec.generate(prompts[:c], [min(a.new, 2 + i * 64 // c) for i in range(c)], case.eos)
     sync(a.device)
     t0 = time.perf_counter()
     out = dec.generate(prompts, a.new, case.eos)
