@@ -80,7 +80,8 @@ def summarise(run) -> dict:
         "total_tok_s": run.tokens_per_second,
         "per_user_tok_s": sum(r.decode_tokens / r.decode_s for r in rs) / max(1, len(rs)),
         "per_user_e2e_tok_s": sum(r.new_tokens / (r.prefill_s + r.decode_s) for r in rs) / max(1, len(rs)),
-        "tau": run.tau if run.tau == run.tau else None, "steps": run.steps, "mean_busy_rows": sum(run.busy_rows) / max(1, len(run.busy_rows)),
+        "tau": run.tau if run.tau == run.tau else None, "steps": run.steps,
+        "mean_busy_rows": sum(run.busy_rows) / max(1, len(run.busy_rows)),
     }
 
 
@@ -169,7 +170,8 @@ def shapes_case(a) -> Case:
     taus = [None if t == "real" else float(t) for t in a.tau.split(",")]
     return Case(a.shapes, target, drafter, prompts, [],
                 ["real" if t is None else t for t in taus],
-                {"shapes": shapes, "drafter_layers": a.layers, "block_size": a.block_size, "prompt_tokens": a.prompt_len,
+                {"shapes": shapes, "drafter_layers": a.layers, "block_size": a.block_size,
+                 "prompt_tokens": a.prompt_len,
                  "weights": "random", "acceptance": "forced (speed only, outputs are not the target's) for "
                  "dflash_forced_tau_*; real for dflash"})
 
@@ -202,7 +204,8 @@ def run_case(a) -> Case:
     return Case(f"run:{dataset}", target, drafter, prompts, eos_ids_of(tok, target), ["real"],
                 {"run": str(run), "dataset": dataset, "target": target_dir, "distinct_prompts": len(prompts),
                  "block_size": drafter.cfg.block_size, "arch": drafter.cfg.arch,
-                 "dtype": str(dtype).removeprefix("torch."), "eval_tau": summary.get("methods", {}).get("dflash", {}).get("tau")})
+                 "dtype": str(dtype).removeprefix("torch."),
+                 "eval_tau": summary.get("methods", {}).get("dflash", {}).get("tau")})
 
 
 def plot(out: dict, path: Path) -> None:
@@ -246,7 +249,8 @@ def parse_args(argv=None):
     ap.add_argument("--run", default=None, help="a finished pipeline run's results directory")
     ap.add_argument("--target", default=None, help="--run: the target directory (default: DIR/target/model)")
     ap.add_argument("--dataset", default=None, help="--run: the held-out dataset (default: the first evaluated)")
-    ap.add_argument("--run-prompts", type=int, default=64, help="--run: distinct prompts (cycled when fewer are needed)")
+    ap.add_argument("--run-prompts", type=int, default=64,
+                    help="--run: distinct prompts (cycled when fewer are needed)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--waves", type=int, default=2, help="prompts per row: waves x concurrency prompts per run")

@@ -81,7 +81,8 @@ def test_batched_dflash_equals_batch1_ar_and_drafts_as_batch1(model64, case, arc
     """A random drafter through the real path (features, per-row contexts): lossless, and each row's
     acceptance per step is batch-1 DFlash's (so each row drafted what batch 1 drafts)."""
     prompts, eos, ref = case
-    kw = {"arch": arch} if arch != "sliding" else {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+    sliding = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+    kw = {"arch": arch} if arch != "sliding" else sliding
     drafter = make_drafter(model64, **kw)
     run = BatchedDecoder(model64, BatchSettings(slots=slots, max_new_tokens=NEW), eos, drafter).generate(prompts)
     assert_like_ar(run, ref)

@@ -65,8 +65,8 @@ def test_batched_graphs_decode_like_batch1_ar():
                 assert [r.tokens for r in run.results] == ref, (arch, slots, d is not None)
                 if d is not None:  # each row drafted what the batch-1 drafter drafts
                     assert [r.accepted for r in run.results] == one, (arch, slots)
-                    tau = [run.tau, BatchedDecoder(target, BatchSettings(slots=slots, max_new_tokens=24, forced_tau=3.0),
-                                                   [], d).generate(prompts).tau]
+                    forced = BatchSettings(slots=slots, max_new_tokens=24, forced_tau=3.0)
+                    tau = [run.tau, BatchedDecoder(target, forced, [], d).generate(prompts).tau]
         print(f"ok {arch}: batched AR and DFlash at 1, 3, 8 rows equal batch-1 AR (tau {tau[0]:.2f}, forced {tau[1]:.2f})")
 
 

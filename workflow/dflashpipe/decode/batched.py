@@ -133,8 +133,8 @@ class SlotTarget:
         x = self.embed(ids)
         cos, sin = self.inner.rotary_emb(x, pos)
         visible = self.key_pos.view(1, 1, -1) <= pos.unsqueeze(-1)  # [n, T, capacity]
-        mask = torch.zeros(visible.shape, dtype=self.score_dtype, device=self.device).masked_fill_(~visible, float("-inf"))
-        mask = mask.view(n, 1, 1, T, self.capacity)
+        mask = torch.zeros(visible.shape, dtype=self.score_dtype, device=self.device)
+        mask = mask.masked_fill_(~visible, float("-inf")).view(n, 1, 1, T, self.capacity)
         wanted, feats = set(self.layer_ids) if features else set(), {}
         for i, layer in enumerate(self.inner.layers):
             x = self._layer(i, layer, x, (cos, sin), rows, pos, mask)
