@@ -304,3 +304,24 @@ def test_graph_path_static_buffers(model64, case, arch, monkeypatch):
     ar = BatchedDecoder(model64, BatchSettings(slots=3, max_new_tokens=NEW, cuda_graphs=True), eos)
     assert_like_ar(ar.generate(prompts), ref)
     assert set(ar.target._graphs) == {(1, False)}
+
+
+def test_slot_target_prefills_into_any_rows(model64, case):
+    """Prompts prefilled into rows in any order (all rows at once), then decoded a step at a time."""
+    from dflashpipe.decode.batched import SlotTarget
+
+    prompts, _, _ = case
+    prompts = prompts[:3]
+    want = [ARDecoder(model64, []).generate(p, 4).tokens for p in prompts]
+    target = SlotTarget(model64, slots=3, capacity=64, cuda_graphs=False)
+    rows = [2, 0, 1]
+    first, _ = target.prefill(rows, prompts)
+    got = {r: [t] for r, t in zip(rows, first.tolist())}
+    pos = {r: len(p) for r, p in zip(rows, prompts)}
+    for _ in range(3):
+        ids = torch.tensor([[got[r][-1]] for r in range(3)])
+        tokens, _ = target.step(ids, torch.tensor([pos[r] for r in range(3)]))
+        for r in range(3):
+            got[r].append(int(tokens[r, 0]))
+            pos[r] += 1
+    assert [got[r] for r in rows] == want

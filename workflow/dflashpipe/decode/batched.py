@@ -101,7 +101,7 @@ class SlotTarget:
 
     :meth:`step` runs T tokens in every row, row r at positions ``start[r] .. start[r]+T-1`` (one
     CUDA graph per (T, features) on a GPU); :meth:`prefill` writes new prompts into their rows.
-    Both return the greedy token after every position (argmax, fp32 logits) and, with features,
+    Both return the greedy token after every position (the logits' argmax) and, with features,
     the concatenated hidden states of ``layer_ids`` (as HF's ``hidden_states[i + 1]``)."""
 
     def __init__(self, model, slots: int, capacity: int, layer_ids=(), cuda_graphs: bool | None = None):
@@ -122,7 +122,7 @@ class SlotTarget:
         self.rows = torch.arange(self.slots, device=self.device)
         self.embed, self.lm_head = model.get_input_embeddings(), model.get_output_embeddings()
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
-        self._graphs: dict[tuple[int, bool], tuple] = {}  # (T, features) -> (graph, ids, start, outputs)
+        self._graphs: dict[tuple[int, bool], tuple] = {}  # (T, features) -> (graph, outputs, ids, start)
         self.mode = "slots+dense" + ("+cuda_graphs" if self.cuda_graphs else "")
 
     def _forward(self, ids: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, features: bool, last=None):
@@ -153,7 +153,7 @@ class SlotTarget:
         q, k, v = attention_inputs(layer, layer.input_layernorm(x), *pe, self.n_heads, self.n_kv, self.head_dim)
         self.k[i][rows.unsqueeze(1), :, pos] = k.transpose(1, 2)  # [n, T, Hkv, D] at each row's positions
         self.v[i][rows.unsqueeze(1), :, pos] = v.transpose(1, 2)
-        keys, values = (self.k[i], self.v[i]) if n == self.slots else (self.k[i][rows], self.v[i][rows])
+        keys, values = (self.k[i], self.v[i]) if rows is self.rows else (self.k[i][rows], self.v[i][rows])
         G = self.n_heads // self.n_kv  # query head h reads kv head h // G
         qg = q.reshape(n, self.n_kv, G * T, self.head_dim)
         scores = torch.matmul(qg, keys.transpose(-1, -2)).to(self.score_dtype) * layer.self_attn.scaling
