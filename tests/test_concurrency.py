@@ -325,3 +325,27 @@ def test_slot_target_prefills_into_any_rows(model64, case):
             got[r].append(int(tokens[r, 0]))
             pos[r] += 1
     assert [got[r] for r in rows] == want
+
+
+def test_static_drafter_with_shared_block_masks_drafts_as_the_eager_drafter(model64):
+    """The batch-1 static drafter (block masks shared with the batched one) on a drafter with a sliding
+    layer: the eager drafter's drafts, before and after a verified block."""
+    from dflashpipe.decode.static_drafter import StaticDrafterRunner
+
+    drafter = make_drafter(model64, seed=2, sliding_window=BS, layer_types=["sliding_attention", "full_attention"])
+    cfg, F = drafter.cfg, len(drafter.cfg.target_layer_ids) * drafter.cfg.hidden_size
+    embed, head = model64.get_input_embeddings(), model64.get_output_embeddings()
+    g = torch.Generator().manual_seed(4)
+    feats = torch.randn(1, 13, F, generator=g, dtype=torch.float64)
+    block = torch.randn(1, cfg.num_drafts + 1, F, generator=g, dtype=torch.float64)
+    last = torch.tensor([[11]])
+    runners = [DrafterRunner(drafter, embed, head, cfg.mask_token_id),
+               StaticDrafterRunner(drafter, embed, head, cfg.mask_token_id, capacity=64, cuda_graphs=False)]
+    drafts = []
+    for one in runners:
+        cache = one.new_cache()
+        one.extend(cache, feats, 0, 13)
+        first = one.propose(cache, 14, last).tolist()
+        one.extend(cache, block, 13, 2)
+        drafts.append((first, one.propose(cache, 16, last).tolist()))
+    assert drafts[0] == drafts[1]

@@ -36,6 +36,7 @@ trained pair with that acceptance costs (the drafts still run, and the committed
 
 from __future__ import annotations
 
+import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from dflashpipe.decode.cuda_graph import capture, round_capacity
 from dflashpipe.decode.layer import attention_dims, attention_inputs, finish_layer, fuse_projections
 from dflashpipe.decode.slots import unsupported_reason
 from dflashpipe.decode.speculative import DecodeResult, sync
+from dflashpipe.decode.static_drafter import block_masks
 from dflashpipe.evaluate.metrics import cut_step
 
 
@@ -238,12 +240,7 @@ class SlotDrafter:
         pos = start.unsqueeze(1) + torch.arange(self.bs, device=self.device)  # [slots, bs]
         cos, sin = self.drafter._rope(pos, h.dtype)
         ctx_visible = (self.ctx_pos.view(1, 1, 1, -1) < self.valid.view(-1, 1, 1, 1)).expand(-1, 1, self.bs, -1)
-        masks = {}
-        for window in {self.cfg.window_of(i) for i in range(len(self.drafter.layers))}:
-            visible = ctx_visible
-            if window is not None:  # sliding layers: only the last `window` positions before each query
-                visible = visible & ((pos.view(-1, 1, self.bs, 1) - self.ctx_pos.view(1, 1, 1, -1)) < window)
-            masks[window] = torch.cat([visible, self.block_visible], dim=-1)  # [slots, 1, bs, capacity + bs]
+        masks = block_masks(self.drafter, ctx_visible, pos, self.ctx_pos, self.block_visible)  # [slots, 1, bs, C + bs]
         for i, layer in enumerate(self.drafter.layers):
             h = layer(h, self.k[i], self.v[i], cos, sin, masks[self.cfg.window_of(i)])
         return self.drafter.propose(self.drafter.norm(h), last, self.lm_head.weight)
@@ -377,6 +374,7 @@ class BatchedDecoder:
         self.draft: SlotDrafter | None = None
         self.block = 1 if drafter is None else drafter.cfg.num_drafts + 1  # target tokens per row and step
         self._rng, self._p = None, 0.0
+        self.mode: str | None = None  # the target step's (after the first generate)
 
     def _ensure(self, prompts) -> None:
         bs = 0 if self.drafter is None else self.drafter.cfg.block_size
@@ -400,8 +398,6 @@ class BatchedDecoder:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("batched decoding: needs prompts of at least one token")
         self._ensure(prompts)
-        import random
-
         self._rng = random.Random(self.s.seed)
         if self.s.forced_tau is not None and self.drafter is not None:
             self._p = forced_acceptance(self.block - 1, self.s.forced_tau)
