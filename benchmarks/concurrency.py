@@ -11,7 +11,8 @@ concurrency c (c rows; ``--waves`` x c prompts, so finished rows take waiting pr
 * ``total_tok_s``: new tokens of all requests / wall time of the run (prefills included);
 * ``per_user_tok_s``: the mean over requests of its decode tokens / its decode time (first token to
   last, the evaluation's convention); ``per_user_e2e_tok_s``: its new tokens / admission to last token;
-* ``tau``: mean tokens per row and verify step reaching the output (DFlash);
+* ``tau``: mean tokens per row and verify step reaching the output (DFlash); ``tau_uncut``: a + 1 per
+  step before the reply's last step is cut at ``--new`` (with forced acceptance: close to the forced tau);
 * ``speedup_total`` / ``speedup_per_user``: DFlash over AR at the same concurrency;
 * ``ar_slot_decoder``: the expansion's batched AR decoder (:class:`~dflashpipe.decode.slots.SlotDecoder`,
   dense attention, CUDA graphs), total tokens/s: a check that the AR baseline is not slow.
@@ -75,12 +76,14 @@ class Case:
 
 def summarise(run) -> dict:
     rs = [r for r in run.results if r.decode_s > 0]
+    raw = [c for r in run.results if r.accepted for c in r.committed_raw]  # a + 1 per step, before the length cut
     return {
         "requests": len(run.results), "new_tokens": run.new_tokens, "wall_s": run.wall_s,
         "total_tok_s": run.tokens_per_second,
         "per_user_tok_s": sum(r.decode_tokens / r.decode_s for r in rs) / max(1, len(rs)),
         "per_user_e2e_tok_s": sum(r.new_tokens / (r.prefill_s + r.decode_s) for r in rs) / max(1, len(rs)),
-        "tau": run.tau if run.tau == run.tau else None, "steps": run.steps,
+        "tau": run.tau if run.tau == run.tau else None, "tau_uncut": sum(raw) / len(raw) if raw else None,
+        "steps": run.steps,
         "mean_busy_rows": sum(run.busy_rows) / max(1, len(run.busy_rows)),
     }
 
