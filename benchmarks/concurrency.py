@@ -98,15 +98,28 @@ def timed_run(case: Case, prompts, c: int, a, tau, capacity: int) -> tuple[dict,
     """Warm-up (captures the graphs; untimed), then the timed run of ``prompts`` at concurrency c."""
     s = BatchSettings(slots=c, max_new_tokens=a.new, capacity=capacity, cuda_graphs=None if a.graphs else False,
                       forced_tau=tau if isinstance(tau, float) else None)
-    dec = BatchedDecoder(case.target, s, case.eos, case.drafter if tau is not None else None)
+    drafter = case.drafter if tau is not None else None
+    dec = BatchedDecoder(case.target, s, case.eos, drafter)
     if torch.device(a.device).type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    dec.generate(prompts[:c], max_new_tokens=a.warmup_new)
+    graphs_error = None
+    try:
+        dec.generate(prompts[:c], max_new_tokens=a.warmup_new)
+    except RuntimeError as err:  # a capture that fails: measure uncaptured rather than nothing (recorded)
+        if s.cuda_graphs is False:
+            raise
+        traceback.print_exc()
+        graphs_error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        s.cuda_graphs = False
+        dec = BatchedDecoder(case.target, s, case.eos, drafter)
+        dec.generate(prompts[:c], max_new_tokens=a.warmup_new)
     sync(a.device)
     warm = time.perf_counter() - t0
     run = dec.generate(prompts)
     out = {**summarise(run), "warmup_s": warm, "mode": dec.mode}
+    if graphs_error:
+        out["cuda_graphs_error"] = graphs_error
     if torch.device(a.device).type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     tokens = [r.tokens for r in run.results]
