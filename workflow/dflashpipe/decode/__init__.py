@@ -11,6 +11,9 @@
   (``StaticDrafterRunner``, the ``DrafterRunner`` interface).
 * :mod:`.slots`: continuous batching over a slotted static KV cache (``SlotDecoder``): the
   ``batched`` backend of the dataset expansion (:mod:`dflashpipe.expand`).
+* :mod:`.batched`: greedy AR and DFlash over many prompts at once (``BatchedDecoder``: continuous
+  batching over a slotted static KV cache, one verify forward for every row): the speed-up under load
+  (``benchmarks/concurrency.py``).
 * :mod:`.cuda_graph`: capturing a step as a CUDA graph, the one routine the steps above share.
 
 What only the evaluation needs (the lossless check, metrics, transformers' peers) lives in

@@ -30,6 +30,22 @@ from dflashpipe.decode.cuda_graph import capture
 from dflashpipe.decode.layer import fuse_projections
 
 
+def block_masks(drafter, ctx_visible: torch.Tensor, pos: torch.Tensor, ctx_pos: torch.Tensor,
+                block_visible: torch.Tensor) -> dict:
+    """The masks of a drafted block, per window of the drafter's layers (None: full attention).
+
+    ctx_visible bool [B, 1, bs, capacity] (the context each row shows), pos [B, bs] (the block's positions),
+    ctx_pos [capacity], block_visible [B, 1, bs, bs] -> {window: bool [B, 1, bs, capacity + bs]}; a sliding
+    layer also hides context more than ``window`` positions before each query. Shared with :mod:`.batched`."""
+    masks = {}
+    for window in {drafter.cfg.window_of(i) for i in range(len(drafter.layers))}:
+        visible = ctx_visible
+        if window is not None:  # sliding layers: only the last `window` positions before each query
+            visible = visible & ((pos[:, None, :, None] - ctx_pos.view(1, 1, 1, -1)) < window)
+        masks[window] = torch.cat([visible, block_visible], dim=-1)
+    return masks
+
+
 class StaticDrafterRunner:
     def __init__(self, drafter, embed, lm_head, mask_token_id: int, capacity: int, cuda_graphs: bool | None = None,
                  compile: bool = False):
@@ -81,12 +97,7 @@ class StaticDrafterRunner:
         pos = (self.start + torch.arange(self.bs, device=self.device)).unsqueeze(0)
         cos, sin = self.drafter._rope(pos, h.dtype)
         ctx_visible = (self.ctx_pos < self.valid).view(1, 1, 1, -1).expand(1, 1, self.bs, self.capacity)
-        masks = {}
-        for window in {self.drafter.cfg.window_of(i) for i in range(len(self.drafter.layers))}:
-            visible = ctx_visible
-            if window is not None:  # sliding layers: only the last `window` positions before each query
-                visible = visible & ((pos.view(1, 1, -1, 1) - self.ctx_pos.view(1, 1, 1, -1)) < window)
-            masks[window] = torch.cat([visible, self.block_visible], dim=-1)  # [1, 1, bs, capacity + bs]
+        masks = block_masks(self.drafter, ctx_visible, pos, self.ctx_pos, self.block_visible)  # [1, 1, bs, C + bs]
         for i, layer in enumerate(self.drafter.layers):
             h = layer(h, self.k[i], self.v[i], cos, sin, masks[self.drafter.cfg.window_of(i)])
         hidden = self.drafter.norm(h)
