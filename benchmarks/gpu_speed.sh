@@ -3,9 +3,10 @@
 #   bash benchmarks/gpu_speed.sh profile OUT   # DFlash 2 + KL vs the paper's recipe: step split,
 #                                              # profiler tables, memory at the peak
 #   bash benchmarks/gpu_speed.sh train OUT     # the training figures, baselines in the same call
+#   bash benchmarks/gpu_speed.sh memory OUT    # DFlash 2 + KL with train.activation_memory_budget 1 and 0.7
 #   bash benchmarks/gpu_speed.sh batch1 OUT    # the evaluation's batch-1 AR and DFlash steps
 set -uo pipefail
-what=${1:?usage: gpu_speed.sh profile|train|batch1 OUT}
+what=${1:?usage: gpu_speed.sh profile|train|memory|batch1 OUT}
 out=${2:?usage: gpu_speed.sh $what OUT}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -33,6 +34,9 @@ profile)
 train)
   tput dflash2_kl 200 --profile "$out/profile_dflash2_kl.txt" --memory "$out/memory_dflash2_kl.txt"
   tput dflash_ce 160 --set arch=dflash loss=ce
+  ;;
+memory)
+  tput dflash2_kl 130 --steps 10
   tput dflash2_kl_budget07 130 --steps 10 --set activation_memory_budget=0.7
   ;;
 batch1)

@@ -87,6 +87,14 @@ def test_each_decoder_belongs_to_the_stages_that_run_it():
             "evaluate/lossless.py", "evaluate/hf_assistant.py", "evaluate/metrics.py"} <= evaluate
     assert not any(n.startswith("decode/") for n in train)
 
+def test_the_export_depends_on_the_modeling_code_it_copies():
+    """The export job copies drafter/hf_modeling.py beside the weights without importing it (its
+    transformers classes cost seconds per job): the file is still one of the job's code inputs."""
+    from dflashpipe.codedeps import script_closure
+
+    assert "drafter/hf_modeling.py" in names(script_closure(LIB, REPO / "workflow/scripts/export.py"))
+
+
 SOURCE = '''
 """Module docstring."""
 import math

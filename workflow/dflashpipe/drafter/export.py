@@ -40,6 +40,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -48,9 +49,11 @@ from safetensors.torch import load_file, save_file
 from dflashpipe.atomic import atomic_path
 from dflashpipe.errors import UserError
 
-from . import hf_modeling
 from .card import CARD_NAME, model_card
 from .model import DFlashDrafter, DrafterConfig, default_target_layer_ids, expected_state_shapes
+
+if TYPE_CHECKING:  # copied beside the weights, not run here: a code dependency without its import time
+    from . import hf_modeling  # noqa: F401
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -201,7 +204,7 @@ def save_drafter(
     with atomic_path(out_dir, is_dir=True) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        shutil.copyfile(hf_modeling.__file__, tmp / CODE_NAME)
+        shutil.copyfile(Path(__file__).with_name("hf_modeling.py"), tmp / CODE_NAME)
         if card is None:
             card = model_card(cfg, target=getattr(target_config, "_name_or_path", "") or "the target")
         (tmp / CARD_NAME).write_text(card)
