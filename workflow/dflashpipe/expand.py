@@ -35,7 +35,7 @@ import pandas as pd
 import torch
 
 from dflashpipe.atomic import atomic_path, write_json
-from dflashpipe.config import schema_settings
+from dflashpipe.config import on_server, schema_enum, schema_settings
 from dflashpipe.data import read_parquet, screen_prompt, target_context
 from dflashpipe.decode.cuda_graph import round_capacity
 from dflashpipe.errors import UserError
@@ -278,7 +278,7 @@ def decoder_identity(target_path: str, s: ExpandSettings, device: str) -> dict:
     weights' dtype and the batched decode step (part of the chunks' identity: a chunk decoded by
     another backend, dtype or device is not resumed into the same output)."""
     backend = _auto_backend(target_path, device)[0] if s.backend == "auto" else s.backend
-    if backend == "openai":  # the server's own engine and dtype (expand.server is operational)
+    if on_server(backend):  # the server's own engine and dtype (expand.server is operational)
         return {"backend": backend}
     on_gpu = device.startswith("cuda")
     out = {"backend": backend, "device": "cuda" if on_gpu else device.split(":")[0],
@@ -354,9 +354,10 @@ def _open_openai(target_path: str, s: ExpandSettings, device: str, server: Serve
 #: the batched backend's decode step. compiled: Inductor fuses each layer's small ops before the CUDA-graph
 #: capture: shorter steps for a compile per shape (figures: docs/decoding.md). static: captured as is.
 #: auto: compiled on a GPU
-DECODE_STEPS = ("auto", "compiled", "static")
+DECODE_STEPS = schema_enum("expand.decode_step")
 
-# expand.backend -> opener(target_path, settings, device, server, log) -> generate(rows, chunk_seed, progress)
+# expand.backend (each value of the schema's enum: tests/test_schema_enums.py)
+#   -> opener(target_path, settings, device, server, log) -> generate(rows, chunk_seed, progress)
 BACKENDS = {"auto": _open_auto, "embedded": _open_embedded, "batched": _open_batched, "openai": _open_openai}
 
 
