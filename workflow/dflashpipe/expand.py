@@ -40,7 +40,7 @@ from dflashpipe.data import read_parquet, screen_prompt, target_context
 from dflashpipe.decode.cuda_graph import round_capacity
 from dflashpipe.errors import UserError
 from dflashpipe.expand_openai import ServerSettings
-from dflashpipe.target import describe_neutralised, end_token_ids, generation_arguments
+from dflashpipe.target import describe_neutralised, end_token_ids, generation_arguments, prompt_text
 
 
 @schema_settings("expand")
@@ -81,10 +81,7 @@ def shard_rows(df: pd.DataFrame, shard: int, n_shards: int) -> pd.DataFrame:
 def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chunk_seed: int, device: str,
                     progress=lambda prompts, tokens: None) -> tuple[list[dict], int]:
     """Generate responses for one chunk of prompts, batched with a KV cache; ``progress(prompts, tokens)`` per batch."""
-    texts = [
-        tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True, **s.chat_template_kwargs)
-        for p in rows["prompt"]
-    ]
+    texts = [prompt_text(tokenizer, p, s.chat_template_kwargs) for p in rows["prompt"]]
     lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
     context = target_context(model)
     skip = [screen_prompt(p, n, context, s.max_new_tokens) for p, n in zip(rows["prompt"], lengths)]
@@ -162,8 +159,7 @@ def _open_embedded(target_path: str, s: ExpandSettings, device: str, server: Ser
 
 def _chunk_prompts(tokenizer, rows: pd.DataFrame, s: ExpandSettings, context: int):
     """Chat-templated prompt ids of a chunk's rows and the reason each is skipped (None: generate it)."""
-    ids = [tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True, **s.chat_template_kwargs)
-           for p in rows["prompt"]]
+    ids = [prompt_text(tokenizer, p, s.chat_template_kwargs) for p in rows["prompt"]]
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ids]
     return ids, [screen_prompt(p, len(i), context, s.max_new_tokens) for p, i in zip(rows["prompt"], ids)]
 
@@ -324,8 +320,7 @@ def _open_openai(target_path: str, s: ExpandSettings, device: str, server: Serve
 
     def generate(rows, chunk_seed, progress):
         nonlocal warned
-        texts = [tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True, **s.chat_template_kwargs)
-                 for p in rows["prompt"]]
+        texts = [prompt_text(tokenizer, p, s.chat_template_kwargs) for p in rows["prompt"]]
         lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         skip = [screen_prompt(p, n, context, s.max_new_tokens) for p, n in zip(rows["prompt"], lengths)]
         progress(sum(r is not None for r in skip), 0)
