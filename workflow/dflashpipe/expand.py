@@ -36,7 +36,7 @@ import torch
 
 from dflashpipe.atomic import atomic_path, write_json
 from dflashpipe.config import on_server, schema_enum, schema_settings
-from dflashpipe.data import read_parquet, screen_prompt, target_context
+from dflashpipe.data import screen_prompt, target_context
 from dflashpipe.decode.cuda_graph import round_capacity
 from dflashpipe.errors import UserError
 from dflashpipe.expand_openai import ServerSettings
@@ -470,11 +470,3 @@ def expand_prompts(
     log(f"expansion done: {summary}")
     return summary
 
-
-def merge_shards(shard_paths: list[str], out_path: str) -> int:
-    """Concatenate expanded shards into one parquet file (atomically)."""
-    frames = [read_parquet(p) for p in shard_paths]
-    df = pd.concat([f for f in frames if len(f)] or frames[:1], ignore_index=True)  # empty shards add nothing
-    with atomic_path(out_path) as tmp:
-        df.to_parquet(tmp, index=False)
-    return len(df)
