@@ -110,7 +110,7 @@ def batch1(a, target, tcfg, dev) -> dict:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, tcfg.vocab_size - 2, (P,), generator=g).tolist()
     mask_id = tcfg.vocab_size - 1
-    dcfg = DrafterConfig.from_target_config(tcfg, a.layers, bs, mask_id)
+    dcfg = DrafterConfig.from_target_config(tcfg, a.layers, bs, mask_id, arch="dflash")  # the figures' drafter
     torch.manual_seed(0)
     drafter = DFlashDrafter(dcfg).to(dev, target.dtype).eval()
     res: dict = {"prompt_tokens": P, "new_tokens": new, "block_size": bs, "drafter_layers": a.layers}

@@ -32,7 +32,7 @@ def fresh_dynamo():
 def test_compiled_drafter_layers_match_eager_and_share_one_graph():
     cfg = model.DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                               head_dim=8, vocab_size=50, mask_token_id=49, num_target_layers=4, num_hidden_layers=3,
-                              block_size=4)
+                              block_size=4, arch="dflash")
     torch.manual_seed(0)
     drafter = model.DFlashDrafter(cfg)
     S, N, bs = 24, 3, 4
@@ -106,7 +106,7 @@ def test_an_activation_memory_budget_reaches_the_partitioner_and_keeps_the_gradi
     monkeypatch.setattr(functorch_config, "activation_memory_budget", functorch_config.activation_memory_budget)
     cfg = model.DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                               head_dim=8, vocab_size=50, mask_token_id=49, num_target_layers=4, num_hidden_layers=1,
-                              block_size=4)
+                              block_size=4, arch="dflash")
     S, N, bs = 24, 3, 4
     anchors, keep = sample_anchors(torch.ones(1, S, dtype=torch.bool), N, bs, torch.Generator().manual_seed(0))
     args = (torch.randn(1, N * bs, 32), torch.randn(1, S, 32 * len(cfg.target_layer_ids)),

@@ -41,7 +41,7 @@ def _models():
             if p.dim() > 1:
                 p.normal_(0.0, 0.5)
     target = target.to("cuda", torch.float64).eval()
-    dcfg = DrafterConfig.from_target_config(cfg, 2, BS, 96)
+    dcfg = DrafterConfig.from_target_config(cfg, 2, BS, 96, arch="dflash")
     drafter = DFlashDrafter(dcfg)
     with torch.no_grad():
         for p in drafter.parameters():

@@ -40,7 +40,7 @@ def tiny_target_config():
 def saved(tmp_path):
     torch.manual_seed(0)
     tc = tiny_target_config()
-    cfg = DrafterConfig.from_target_config(tc, 2, 4, V - 1)
+    cfg = DrafterConfig.from_target_config(tc, 2, 4, V - 1, arch="dflash")
     model = DFlashDrafter(cfg).eval()
     out = save_drafter(model, cfg, tmp_path / "drafter", tc)
     return model, cfg, out
@@ -101,7 +101,7 @@ def test_layout_equals_the_published_qwen3_8b_drafter():
 
     t, d = REFERENCE["target"], REFERENCE["drafter"]
     tc = Qwen3Config(**{k: v for k, v in t.items() if k != "model_type"})
-    cfg = DrafterConfig.from_target_config(tc, d["num_hidden_layers"], d["block_size"], d["mask_token_id"])
+    cfg = DrafterConfig.from_target_config(tc, d["num_hidden_layers"], d["block_size"], d["mask_token_id"], arch="dflash")
     assert cfg.target_layer_ids == d["target_layer_ids"]  # the default taps are the published ones
     with torch.device("meta"):  # 1 B parameters: shapes only
         model = DFlashDrafter(cfg)
@@ -125,7 +125,7 @@ def qwen3_8b_drafter_config_json() -> dict:
         bos_token_id=151643,
         eos_token_id=151645,
     )
-    cfg = DrafterConfig.from_target_config(tc, d["num_hidden_layers"], d["block_size"], d["mask_token_id"])
+    cfg = DrafterConfig.from_target_config(tc, d["num_hidden_layers"], d["block_size"], d["mask_token_id"], arch="dflash")
     return drafter_config_json(cfg, tc, torch.bfloat16)
 
 
@@ -275,7 +275,7 @@ def small_target_config(layers: int = 6):
 ARCH_CASES = {
     "dflash2": dict(arch="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=5,
                     final_logit_softcapping=15.0, output_multiplier=0.5),
-    "sliding": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6),
+    "sliding": dict(arch="dflash", layer_types=["sliding_attention", "full_attention"], sliding_window=6),
     "dflash2_sliding": dict(arch="dflash2", conv_group_size=8, selector_rank=4, selector_top_k=3,
                             layer_types=["full_attention", "sliding_attention"], sliding_window=4),
     "dspark": dict(arch="dspark", markov_rank=8),
@@ -353,7 +353,7 @@ def test_config_carries_what_sglang_and_vllm_readers_require(tmp_path, case):
     conv_group_size and selector_rank with selector_top_k as pairs (SGLang refuses one without the other);
     with sliding layers is_causal: false (vLLM and z-lab's reference make sliding layers causal without it)."""
     tc = tiny_target_config()
-    cfg = DrafterConfig.from_target_config(tc, 2, 4, V - 1, **ARCH_CASES.get(case, {}))
+    cfg = DrafterConfig.from_target_config(tc, 2, 4, V - 1, **ARCH_CASES.get(case, {"arch": "dflash"}))
     d = json.loads((save_drafter(random_drafter(cfg), cfg, tmp_path / "d", tc) / "config.json").read_text())
     assert _engine_value(d, "block_size") == cfg.block_size == d["block_size"]
     layers = _engine_value(d, "target_layer_ids")
@@ -382,7 +382,7 @@ def test_config_carries_what_sglang_and_vllm_readers_require(tmp_path, case):
 @pytest.mark.parametrize("case", ["dflash", "dflash2", "dspark"])
 def test_every_export_has_a_model_card_naming_target_recipe_and_serving_flags(tmp_path, case):
     tc = tiny_target_config()
-    cfg = DrafterConfig.from_target_config(tc, 2, 4, V - 1, **ARCH_CASES.get(case, {}))
+    cfg = DrafterConfig.from_target_config(tc, 2, 4, V - 1, **ARCH_CASES.get(case, {"arch": "dflash"}))
     card = save_drafter(random_drafter(cfg), cfg, tmp_path / "d", tc,
                         card=model_card(cfg, target="Qwen/Qwen3-8B", drafter="out/drafter")) / "README.md"
     text = card.read_text()
@@ -512,10 +512,10 @@ def fit_drafter(target, cfg, steps: int = 60) -> DFlashDrafter:
 
 
 REMOTE_CASES = {
-    "dflash": dict(),
+    "dflash": dict(arch="dflash"),
     "dflash2": dict(arch="dflash2", conv_group_size=8, selector_rank=8, selector_top_k=4,
                     final_logit_softcapping=30.0, output_multiplier=0.5),
-    "sliding": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5),
+    "sliding": dict(arch="dflash", layer_types=["sliding_attention", "full_attention"], sliding_window=5),
     "dspark": dict(arch="dspark", markov_rank=8),
 }
 

@@ -44,6 +44,7 @@ def tiny_cfg(**kw):
         mask_token_id=V - 1,
         target_layer_ids=[0, 2, 4],
         num_target_layers=6,
+        arch="dflash",
     )
     args.update(kw)
     return DrafterConfig(**args)

@@ -170,7 +170,7 @@ def test_unusable_prompts_are_counted_not_generated_and_damaged_files_are_one_li
 def test_shard_without_prompts_writes_an_empty_output_and_merges(micro_target, tmp_path):
     """More shards than prompts (config/qwen3_8b_8gpu.yaml's 8 shards on a small dataset): the empty shard
     loads no model and writes an output with the usual columns; the merge has every prompt once."""
-    from dflashpipe.expand import merge_shards
+    from dflashpipe.shards import merge_shards
 
     prompts = tmp_path / "p.parquet"
     prepare_prompts({"path": str(PROMPTS / "math_train.jsonl.gz"), "messages_column": "messages", "limit": 2}, "math",

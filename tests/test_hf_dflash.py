@@ -103,7 +103,7 @@ def train_drafter(target, cfg, steps: int = 80) -> DFlashDrafter:
 
 @pytest.fixture(scope="module")
 def trained(target, tmp_path_factory):
-    cfg = DrafterConfig.from_target_config(target.config, num_hidden_layers=1, block_size=BS, mask_token_id=MASK)
+    cfg = DrafterConfig.from_target_config(target.config, num_hidden_layers=1, block_size=BS, mask_token_id=MASK, arch="dflash")
     out = save_drafter(train_drafter(target, cfg), cfg, tmp_path_factory.mktemp("drafter") / "d", target.config)
     drafter, cfg = load_drafter(out, dtype=torch.float64)
     return out, drafter, cfg, load_hf_assistant(out, dtype=torch.float64)
@@ -112,7 +112,7 @@ def trained(target, tmp_path_factory):
 def test_assistant_computes_what_our_drafter_computes(target, tmp_path):
     from transformers import AutoModel
 
-    cfg = DrafterConfig.from_target_config(target.config, num_hidden_layers=2, block_size=BS, mask_token_id=MASK)
+    cfg = DrafterConfig.from_target_config(target.config, num_hidden_layers=2, block_size=BS, mask_token_id=MASK, arch="dflash")
     torch.manual_seed(2)
     out = save_drafter(DFlashDrafter(cfg), cfg, tmp_path / "d", target.config)
     ours, cfg = load_drafter(out, dtype=torch.float64)
@@ -173,7 +173,8 @@ def test_evaluator_runs_hf_dflash_or_records_why_not(micro_target, tmp_path, mon
     from dflashpipe.target import load_target
 
     tgt, tok = load_target(str(micro_target))
-    cfg = DrafterConfig.from_target_config(tgt.config, num_hidden_layers=1, block_size=BS, mask_token_id=tok.mask_token_id)
+    cfg = DrafterConfig.from_target_config(tgt.config, num_hidden_layers=1, block_size=BS,
+                                            mask_token_id=tok.mask_token_id, arch="dflash")
     torch.manual_seed(0)
     save_drafter(DFlashDrafter(cfg), cfg, tmp_path / "drafter", tgt.config)
     rows = read_jsonl_gz(PROMPT_DIR / "math_heldout.jsonl.gz", 2)

@@ -100,12 +100,15 @@ def test_every_settings_class_takes_its_defaults_from_the_schema():
 def test_the_drafter_architecture_keys_are_declared_once():
     """TrainConfig takes DrafterConfig's architecture fields (model.ARCH_KEYS) with the schema's defaults: a new
     architecture key is a ``drafter`` entry in the schema and a DrafterConfig field, nothing more."""
-    from dflashpipe.drafter.model import ARCH_KEYS
+    from dflashpipe.drafter.model import ARCH_KEYS, DrafterConfig
 
     drafter = load_schema()["properties"]["drafter"]["properties"]
     assert set(ARCH_KEYS) == set(drafter) - {"block_size", "num_layers", "target_layer_ids", "mask_token_id"}
     cfg = TrainConfig()
     assert {k: getattr(cfg, k) for k in ARCH_KEYS} == {k: drafter[k]["default"] for k in ARCH_KEYS}
+    # and DrafterConfig's own defaults are the schema's: a drafter built without them is the pipeline's
+    own = {f.name: f.default for f in dataclasses.fields(DrafterConfig) if f.name in ARCH_KEYS}
+    assert own == {k: drafter[k]["default"] for k in ARCH_KEYS}
 
 def test_schema_settings_take_the_schema_defaults_and_refuse_fields_it_lacks():
     @schema_settings("train")

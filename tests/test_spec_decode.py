@@ -40,7 +40,7 @@ def random_drafter(target, tok, out_dir, seed=0, dtype=None, **arch):
     """A randomly initialised drafter, round-tripped through the checkpoint format (DSpark: a Markov head
     strong enough to change drafts)."""
     cfg = DrafterConfig.from_target_config(target.config, num_hidden_layers=1, block_size=BS, mask_token_id=tok.mask_token_id,
-                                           **arch)
+                                           **{"arch": "dflash", **arch})
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg)
     if drafter.markov_head is not None:

@@ -48,6 +48,23 @@ def _section_schema(section: str) -> dict:
     return node
 
 
+def schema_enum(key: str) -> tuple[str, ...]:
+    """The values the schema allows for ``key`` (dotted: ``"train.loss"``; ``*`` steps into a mapping's
+    values, ``"datasets.*.format"``; a list's items are looked through): the Python code's one source
+    of each choice list."""
+    node = load_schema()
+    for part in key.split("."):
+        node = node["additionalProperties"] if part == "*" else node["properties"][part]
+    node = node.get("items", node)
+    return tuple(node["enum"])
+
+
+def on_server(backend: str) -> bool:
+    """Whether the ``expand.backend`` generates on a server the user runs (``expand.server``; the schema's
+    ``x-server`` list): the job then loads no target and holds no GPU, and a server url is required."""
+    return backend in _section_schema("expand")["properties"]["backend"]["x-server"]
+
+
 def keys_marked(section: str, mark: str) -> tuple[str, ...]:
     """Keys of a config section (dotted: ``"train"``, ``"target.tiny"``) whose schema entry has ``x-<mark>: true``."""
     props = _section_schema(section).get("properties", {})
@@ -268,8 +285,8 @@ def _check_references(config: dict, source: str) -> None:
     ex = config["expand"]
     if ex["num_samples"] > 1 and ex["temperature"] == 0:
         raise UserError(f"{source}: expand.num_samples is {ex['num_samples']} with temperature 0 (greedy samples are identical); set temperature > 0")
-    if ex["backend"] == "openai" and not ex["server"]["url"]:
-        raise UserError(f"{source}: expand.server.url: expand.backend is openai but no server url is set "
+    if on_server(ex["backend"]) and not ex["server"]["url"]:
+        raise UserError(f"{source}: expand.server.url: expand.backend is {ex['backend']} but no server url is set "
                         "(e.g. http://127.0.0.1:8000/v1)")
     drafter = config["drafter"]
     types = drafter["layer_types"]

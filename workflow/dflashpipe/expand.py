@@ -35,12 +35,12 @@ import pandas as pd
 import torch
 
 from dflashpipe.atomic import atomic_path, write_json
-from dflashpipe.config import schema_settings
-from dflashpipe.data import read_parquet, screen_prompt, target_context
+from dflashpipe.config import on_server, schema_enum, schema_settings
+from dflashpipe.data import screen_prompt, target_context
 from dflashpipe.decode.cuda_graph import round_capacity
 from dflashpipe.errors import UserError
 from dflashpipe.expand_openai import ServerSettings
-from dflashpipe.target import describe_neutralised, end_token_ids, generation_arguments
+from dflashpipe.target import describe_neutralised, end_token_ids, generation_arguments, prompt_text
 
 
 @schema_settings("expand")
@@ -81,10 +81,7 @@ def shard_rows(df: pd.DataFrame, shard: int, n_shards: int) -> pd.DataFrame:
 def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chunk_seed: int, device: str,
                     progress=lambda prompts, tokens: None) -> tuple[list[dict], int]:
     """Generate responses for one chunk of prompts, batched with a KV cache; ``progress(prompts, tokens)`` per batch."""
-    texts = [
-        tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True, **s.chat_template_kwargs)
-        for p in rows["prompt"]
-    ]
+    texts = [prompt_text(tokenizer, p, s.chat_template_kwargs) for p in rows["prompt"]]
     lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
     context = target_context(model)
     skip = [screen_prompt(p, n, context, s.max_new_tokens) for p, n in zip(rows["prompt"], lengths)]
@@ -162,8 +159,7 @@ def _open_embedded(target_path: str, s: ExpandSettings, device: str, server: Ser
 
 def _chunk_prompts(tokenizer, rows: pd.DataFrame, s: ExpandSettings, context: int):
     """Chat-templated prompt ids of a chunk's rows and the reason each is skipped (None: generate it)."""
-    ids = [tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True, **s.chat_template_kwargs)
-           for p in rows["prompt"]]
+    ids = [prompt_text(tokenizer, p, s.chat_template_kwargs) for p in rows["prompt"]]
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ids]
     return ids, [screen_prompt(p, len(i), context, s.max_new_tokens) for p, i in zip(rows["prompt"], ids)]
 
@@ -278,7 +274,7 @@ def decoder_identity(target_path: str, s: ExpandSettings, device: str) -> dict:
     weights' dtype and the batched decode step (part of the chunks' identity: a chunk decoded by
     another backend, dtype or device is not resumed into the same output)."""
     backend = _auto_backend(target_path, device)[0] if s.backend == "auto" else s.backend
-    if backend == "openai":  # the server's own engine and dtype (expand.server is operational)
+    if on_server(backend):  # the server's own engine and dtype (expand.server is operational)
         return {"backend": backend}
     on_gpu = device.startswith("cuda")
     out = {"backend": backend, "device": "cuda" if on_gpu else device.split(":")[0],
@@ -324,8 +320,7 @@ def _open_openai(target_path: str, s: ExpandSettings, device: str, server: Serve
 
     def generate(rows, chunk_seed, progress):
         nonlocal warned
-        texts = [tokenizer.apply_chat_template(list(p), tokenize=False, add_generation_prompt=True, **s.chat_template_kwargs)
-                 for p in rows["prompt"]]
+        texts = [prompt_text(tokenizer, p, s.chat_template_kwargs) for p in rows["prompt"]]
         lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         skip = [screen_prompt(p, n, context, s.max_new_tokens) for p, n in zip(rows["prompt"], lengths)]
         progress(sum(r is not None for r in skip), 0)
@@ -354,9 +349,10 @@ def _open_openai(target_path: str, s: ExpandSettings, device: str, server: Serve
 #: the batched backend's decode step. compiled: Inductor fuses each layer's small ops before the CUDA-graph
 #: capture: shorter steps for a compile per shape (figures: docs/decoding.md). static: captured as is.
 #: auto: compiled on a GPU
-DECODE_STEPS = ("auto", "compiled", "static")
+DECODE_STEPS = schema_enum("expand.decode_step")
 
-# expand.backend -> opener(target_path, settings, device, server, log) -> generate(rows, chunk_seed, progress)
+# expand.backend (each value of the schema's enum: tests/test_schema_enums.py)
+#   -> opener(target_path, settings, device, server, log) -> generate(rows, chunk_seed, progress)
 BACKENDS = {"auto": _open_auto, "embedded": _open_embedded, "batched": _open_batched, "openai": _open_openai}
 
 
@@ -474,11 +470,3 @@ def expand_prompts(
     log(f"expansion done: {summary}")
     return summary
 
-
-def merge_shards(shard_paths: list[str], out_path: str) -> int:
-    """Concatenate expanded shards into one parquet file (atomically)."""
-    frames = [read_parquet(p) for p in shard_paths]
-    df = pd.concat([f for f in frames if len(f)] or frames[:1], ignore_index=True)  # empty shards add nothing
-    with atomic_path(out_path) as tmp:
-        df.to_parquet(tmp, index=False)
-    return len(df)

@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from dflashpipe.config import schema_settings
 from dflashpipe.errors import UserError
+from dflashpipe.target import prompt_ids as local_prompt_ids
 
 # a chat that many tokenizers split differently: digits, accents, CJK, symbols, code, emoji
 PROBE = [{"role": "user", "content": "Tokenizer probe 0123456789: naïve café Ærø 漢字かな 한국어 ∑∫√ "
@@ -138,11 +139,6 @@ class OpenAIClient:
                         f"({last}); start it, or fix expand.server.url (expand.server.retries / timeout_s to wait longer)")
 
 
-def _local_prompt_ids(tokenizer, messages: list[dict], kwargs: dict) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True, **kwargs)
-    return list(out["input_ids"])
-
-
 class OpenAIBackend:
     """One server session for an expansion job: checked once, then one request per (prompt, sample)."""
 
@@ -180,7 +176,7 @@ class OpenAIBackend:
                          "model's directory")
 
     def _check_tokenizer(self) -> None:
-        local = _local_prompt_ids(self.tokenizer, PROBE, self.s.chat_template_kwargs)
+        local = local_prompt_ids(self.tokenizer, PROBE, self.s.chat_template_kwargs)
         answer = self.request(PROBE, max_tokens=1, seed=None)
         prompt_ids = answer.get("prompt_token_ids")
         if isinstance(prompt_ids, list) and prompt_ids and prompt_ids != local:

@@ -38,21 +38,30 @@ def load_tokenizer(path: str, field: str = "target.path"):
     return tok
 
 
-def prompt_text(tokenizer, turns, chat_template_kwargs: dict | None, where: str) -> str:
-    """A prompt as the target's chat template renders it, ready for the reply (``add_generation_prompt``).
+def prompt_text(tokenizer, turns, chat_template_kwargs: dict | None = None, where: str | None = None) -> str:
+    """A prompt as the target's chat template renders it, ready for the reply (``add_generation_prompt``):
+    the one place that encodes a prompt (expansion, its server backend, evaluation, the tiny target).
 
     A template that refuses the turns (Mistral-style strict user/assistant alternation given a ShareGPT
-    ``system`` or ``tool`` turn) is one line naming ``where`` (the dataset file and row) and what to do."""
+    ``system`` or ``tool`` turn) is one line naming ``where`` (the dataset file and row) and what to do
+    (without ``where``, the template's own error)."""
     from jinja2.exceptions import TemplateError
 
     try:
         return tokenizer.apply_chat_template([dict(t) for t in turns], tokenize=False, add_generation_prompt=True,
                                              **(chat_template_kwargs or {}))
     except TemplateError as err:
+        if where is None:
+            raise
         roles = ", ".join(str(t["role"]) for t in turns)
         raise UserError(f"{where}: the target's chat template refuses this conversation (roles {roles}: {err}); "
                         "drop or merge the turns it does not take in the dataset, or give the target a chat template "
                         "that accepts them") from None
+
+
+def prompt_ids(tokenizer, turns, chat_template_kwargs: dict | None = None, where: str | None = None) -> list[int]:
+    """:func:`prompt_text`'s token ids (the template writes the special tokens itself: none are added)."""
+    return list(tokenizer(prompt_text(tokenizer, turns, chat_template_kwargs, where), add_special_tokens=False)["input_ids"])
 
 
 def load_target(path: str, device: str = "cpu", dtype=None, field: str = "target.path"):

@@ -21,6 +21,7 @@ import torch
 from dflashpipe.atomic import atomic_path, write_json
 from dflashpipe.config import schema_settings
 from dflashpipe.errors import UserError
+from dflashpipe.target import prompt_text
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 
@@ -163,7 +164,7 @@ def format_check(model, tokenizer, prompts: list[list[dict]], max_new_tokens: in
     model.eval()
     ok, outs = 0, []
     for i in range(0, len(prompts), batch_size):
-        batch = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts[i : i + batch_size]]
+        batch = [prompt_text(tokenizer, p) for p in prompts[i : i + batch_size]]
         enc = tokenizer(batch, return_tensors="pt", padding=True).to(model.device)
         gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         for row in gen[:, enc["input_ids"].shape[1] :]:

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from dflashpipe.codedeps import script_closure
-from dflashpipe.config import canonical, compile_keys, result_params
+from dflashpipe.config import canonical, compile_keys, on_server, result_params
 from dflashpipe.evaluate.methods import METHODS, needs_ar_draft
 from dflashpipe.lease import COMPILE_CACHE
 from dflashpipe.target import write_target_id
@@ -200,7 +200,7 @@ class Pipeline:
 
     def expand_gpus(self) -> int:
         """GPU slots an expansion job holds: none when an OpenAI-compatible server generates."""
-        return 0 if self.config["expand"]["backend"] == "openai" else 1
+        return 0 if on_server(self.config["expand"]["backend"]) else 1
 
     def chat_template_kwargs(self) -> dict:
         return canonical(self.config["expand"]["chat_template_kwargs"])

@@ -1,4 +1,4 @@
-from dflashpipe.config import settings
+from dflashpipe.config import on_server, settings
 from dflashpipe.expand import ExpandSettings, expand_prompts
 from dflashpipe.expand_openai import ServerSettings
 from dflashpipe.lease import lease_for_job, use_leased_slot_cache
@@ -8,7 +8,7 @@ with job(snakemake.log[0], threads=snakemake.threads, name=f"expand {snakemake.w
     p = snakemake.params
     expand_settings = settings(ExpandSettings, snakemake.config["expand"], seed=p.seed)  # seed: 0 when greedy
     server = settings(ServerSettings, snakemake.config["expand"]["server"])  # operational: read at run time
-    if expand_settings.backend != "openai":  # the target runs in this job
+    if not on_server(expand_settings.backend):  # the target runs in this job
         lease = lease_for_job(snakemake.config)  # any free GPU slot
         log(f"leased slot {lease.slot}: device {lease.device}")
         use_leased_slot_cache(snakemake.config, lease, log)

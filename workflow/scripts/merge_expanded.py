@@ -1,4 +1,4 @@
-from dflashpipe.expand import merge_shards
+from dflashpipe.shards import merge_shards
 from dflashpipe.runtime import job
 
 with job(snakemake.log[0], threads=snakemake.threads, name=f"merge {snakemake.wildcards.dataset}") as log:

@@ -378,7 +378,8 @@ def export_final(final_state: str | os.PathLike, target_dir: str | os.PathLike, 
         raise UserError(f"{final_state}: cannot read the run's final weights ({err})") from None
     if "drafter_config" not in meta:
         raise UserError(f"{final_state}: no drafter_config in its metadata; not the final weights of a training run")
-    cfg = DrafterConfig(**json.loads(meta["drafter_config"]))
+    # weights saved before drafter.arch existed name no arch: they are the paper's DFlash
+    cfg = DrafterConfig(**{"arch": "dflash", **json.loads(meta["drafter_config"])})
     model = DFlashDrafter(cfg)
     model.load_state_dict(state, strict=True)
     name = meta.get("export_dtype") or ""

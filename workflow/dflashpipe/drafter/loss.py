@@ -39,7 +39,6 @@ from typing import Callable
 
 import torch
 
-LOSSES = ("ce", "kl", "dspark")
 #: DSpark's weights of its cross-entropy, L1 distance and confidence terms (DeepSpec's recipe:
 #: ce_loss_alpha, l1_loss_alpha, confidence_head_alpha)
 DSPARK_CE, DSPARK_L1, DSPARK_CONFIDENCE = 0.1, 0.9, 1.0

@@ -199,8 +199,8 @@ def build_block_inputs(
     return block_ids.view(B, N * bs), labels, weights.view(B, N * bs)
 
 
-#: How the loss weighs block positions: the paper's fixed exp(-(k-1)/gamma) decay, or D-PACE.
-POSITION_WEIGHTS = ("decay", "dpace")
+#: D-PACE's floor of each position's survival chance (train.position_weights: dpace; the other choice,
+#: decay, is the paper's fixed exp(-(k-1)/gamma))
 DPACE_ALPHA = 0.5
 
 
@@ -212,7 +212,7 @@ def dpace_weights(row_loss: torch.Tensor, valid: torch.Tensor, alpha: float = DP
     the anchor). With s_k = (1 - alpha) exp(-loss_k) + alpha (1 where not valid) and
     P_k = prod_{j<=k} s_j (the chance, as the model stands, that the block is still
     accepted at k), w_k = valid_k * sum_{j>=k} valid_j P_j: the accepted length that
-    position k still stands to gain. Replaces the fixed exp decay (``POSITION_WEIGHTS``).
+    position k still stands to gain. Replaces the fixed exp decay (``train.position_weights``).
     """
     s = torch.where(valid, (1 - alpha) * torch.exp(-row_loss.float()) + alpha, torch.ones_like(row_loss, dtype=torch.float32))
     reach = valid * torch.cumprod(s, dim=-1)

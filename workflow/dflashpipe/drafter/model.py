@@ -152,7 +152,7 @@ class DrafterConfig:
     max_position_embeddings: int = 32768
     block_size: int = 16
     # the architecture (ARCH_KEYS: the config's `drafter` keys of the same names)
-    arch: str = _arch("dflash")  # one of ARCHS
+    arch: str = _arch("dflash2")  # one of ARCHS; every _arch default is the schema's (tests/test_settings.py)
     layer_types: list[str] | None = _arch(None)  # per layer, one of LAYER_TYPES; None: all sliding iff sliding_window
     sliding_window: int | None = _arch(None)
     # dflash2 only (z-lab's dflash_config keys)

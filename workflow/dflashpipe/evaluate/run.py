@@ -109,10 +109,9 @@ def _peak_memory(device: torch.device) -> dict:
 
 def encode_prompt(tokenizer, turns, chat_template_kwargs: dict | None = None, where: str = "a prompt") -> list[int]:
     """The target's chat template with ``add_generation_prompt=True`` (as in expand)."""
-    from dflashpipe.target import prompt_text
+    from dflashpipe.target import prompt_ids
 
-    text = prompt_text(tokenizer, turns, chat_template_kwargs, where)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return prompt_ids(tokenizer, turns, chat_template_kwargs, where)
 
 
 def _row(pid, method: str, r: DecodeResult, ar: DecodeResult | None, tokenizer) -> dict:
