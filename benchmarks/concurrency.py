@@ -177,7 +177,7 @@ def shapes_case(a) -> Case:
 
     shapes = TINY if a.shapes == "tiny" else QWEN3_8B
     target, tcfg = build_target(shapes, 4096, a.block_size, a.device)
-    dcfg = DrafterConfig.from_target_config(tcfg, a.layers, a.block_size, tcfg.vocab_size - 1)
+    dcfg = DrafterConfig.from_target_config(tcfg, a.layers, a.block_size, tcfg.vocab_size - 1, arch=a.arch)
     torch.manual_seed(0)
     with torch.device(a.device):  # initialised where it runs (a billion parameters at the 8B shapes)
         drafter = DFlashDrafter(dcfg).to(target.dtype).eval()
@@ -187,7 +187,7 @@ def shapes_case(a) -> Case:
     taus = [None if t == "real" else float(t) for t in a.tau.split(",")]
     return Case(a.shapes, target, drafter, prompts, [],
                 ["real" if t is None else t for t in taus],
-                {"shapes": shapes, "drafter_layers": a.layers, "block_size": a.block_size,
+                {"shapes": shapes, "drafter_layers": a.layers, "arch": a.arch, "block_size": a.block_size,
                  "prompt_tokens": a.prompt_len,
                  "weights": "random", "acceptance": "forced (speed only, outputs are not the target's) for "
                  "dflash_forced_tau_*; real for dflash"})
@@ -277,6 +277,7 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=128, help="shapes mode: prompt tokens")
     ap.add_argument("--tau", default="3,6", help="shapes mode: forced mean acceptance lengths, or 'real' (comma list)")
     ap.add_argument("--layers", type=int, default=5, help="shapes mode: drafter layers")
+    ap.add_argument("--arch", default="dflash", help="shapes mode: the drafter's architecture (the figures': dflash)")
     ap.add_argument("--block-size", type=int, default=16, help="shapes mode: drafter block size")
     ap.add_argument("--no-cuda-graphs", dest="graphs", action="store_false")
     ap.add_argument("--no-slot-decoder", dest="slot_decoder", action="store_false",
