@@ -33,7 +33,7 @@ profile)
   ;;
 train)
   tput dflash2_kl 200 --profile "$out/profile_dflash2_kl.txt" --memory "$out/memory_dflash2_kl.txt"
-  tput dflash_ce 160 --set arch=dflash loss=ce
+  tput dflash_ce 160 --set arch=dflash loss=ce --profile "$out/profile_dflash_ce.txt"
   ;;
 memory)
   tput dflash2_kl 130 --steps 10

@@ -129,3 +129,33 @@ def test_an_activation_memory_budget_reaches_the_partitioner_and_keeps_the_gradi
     assert functorch_config.activation_memory_budget == 0.2
     for a, b in zip(grads(compiled), grads(eager)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_compiled_chunks_with_a_teacher_and_the_selectors_top_k_match_eager():
+    """KL to a teacher whose rows are shared (teacher_rows), DFlash 2's transform and the selector's
+    top-k from the chunks' group maxima: compiled at one padded shape == eager == a plain topk."""
+    from dflashpipe.drafter.loss import Objective
+
+    torch.manual_seed(1)
+    V, H, S, Q = 1024, 16, 9, 11
+    W = torch.randn(V, H) * 0.5
+    final, rows = torch.randn(2, S, H), torch.randint(0, S, (2, Q))
+    labels, weights = torch.randint(0, V, (2, Q)), torch.rand(2, Q)
+    weights[1, :3] = 0
+    obj = Objective(loss="kl", multiplier=0.5, cap=20.0)
+
+    def run(ce):
+        h = torch.randn(2, Q, H, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        found = {"top_k": 3}
+        value, acc = block_loss(h, W, labels, weights, chunk_size=8, ce=ce, objective=obj, teacher_hidden=final,
+                                teacher_rows=rows, collect=found)
+        value.backward()
+        return value.detach(), acc, h.grad, found["teacher_argmax"], found["candidates"], found["candidate_logits"]
+
+    ref = run(loss.EAGER_CE)
+    got = run(compiled_chunk_ce())
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    h = torch.randn(2, Q, H, generator=torch.Generator().manual_seed(2))
+    keep = weights > 0
+    assert torch.equal(ref[4][keep], (h @ W.t()).topk(3, dim=-1).indices[keep])

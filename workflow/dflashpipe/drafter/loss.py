@@ -35,7 +35,7 @@ counted the same way for every objective.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -62,15 +62,28 @@ class Objective:
 CE = Objective()
 
 
-def _chunk_stats(logits, y, teacher, obj: Objective, need_grad: bool):
-    """One chunk of rows: (loss per row [c], correct per row [c], d loss_row / d logits [c, V] or None,
-    acceptance per row [c] or None, the teacher's argmax per row [c] or None).
+class ChunkStats(NamedTuple):
+    """What :func:`_chunk_stats` gives of a chunk of c rows."""
+
+    loss: torch.Tensor  # [c] per row
+    correct: torch.Tensor  # [c] 1.0 where the top-1 is the label
+    grad: torch.Tensor | None  # [c, V] d loss_row / d logits, or None
+    accept: torch.Tensor | None  # [c] 1 - TV(p, q), with obj.accept
+    teacher_argmax: torch.Tensor | None  # [c], with a teacher
+    group_max: torch.Tensor | None  # [c, V / group] the raw logits' maxima per group of columns, with group
+
+
+def _chunk_stats(logits, y, teacher, obj: Objective, grad: torch.dtype | None, group: int = 0) -> ChunkStats:
+    """One chunk of rows (:class:`ChunkStats`).
 
     logits [c, V] (the drafter's, before any transform) in the LM head's dtype; y [c]
-    long; teacher [c, V] (the target's logits) or None. The math runs in fp32, and so
-    does the gradient. Compiled (see :func:`compiled_chunk_ce`), this is a few fused
-    passes over the logits instead of a dozen eager kernels.
+    long; teacher [c, V] (the target's logits) or None. The math runs in fp32; the gradient
+    is returned in dtype ``grad`` (None: not computed). ``group`` (dividing V, or 0): also the
+    maxima of each ``group`` columns (:func:`top_k_by_groups`). Compiled (see
+    :func:`compiled_chunk_ce`), this is a few fused passes over the logits instead of a dozen
+    eager kernels.
     """
+    group_max = logits.view(logits.shape[0], -1, group).amax(-1) if group else None
     raw = logits.float()
     x = raw * obj.multiplier if obj.multiplier != 1.0 else raw
     if obj.cap is not None:
@@ -98,8 +111,8 @@ def _chunk_stats(logits, y, teacher, obj: Objective, need_grad: bool):
     if obj.tv_weight > 0:
         per_row = per_row + obj.tv_weight * 0.5 * l1
     accept = (1.0 - 0.5 * l1).clamp(0.0, 1.0) if obj.accept else None
-    if not need_grad:
-        return per_row, correct, None, accept, teacher_argmax
+    if grad is None:
+        return ChunkStats(per_row, correct, None, accept, teacher_argmax, group_max)
     g = DSPARK_CE * (q - onehot.float()) if obj.loss == "dspark" else q - p  # d(CE, KL or its CE part)/dx
     if l1_weight > 0:
         s = torch.sign(q - p)
@@ -108,7 +121,7 @@ def _chunk_stats(logits, y, teacher, obj: Objective, need_grad: bool):
         g = g * (1.0 - (x / obj.cap) ** 2)
     if obj.multiplier != 1.0:
         g = g * obj.multiplier
-    return per_row, correct, g, accept, teacher_argmax
+    return ChunkStats(per_row, correct, g.to(grad), accept, teacher_argmax, group_max)
 
 
 @dataclass(frozen=True)
@@ -129,18 +142,24 @@ def compiled_chunk_ce() -> ChunkCE:
     return ChunkCE(torch.compile(_chunk_stats, dynamic=False), static_shape=True)
 
 
-def top_k_by_groups(x: torch.Tensor, k: int, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+#: columns per group of :func:`top_k_by_groups`
+TOP_K_GROUP = 128
+
+
+def top_k_by_groups(x: torch.Tensor, k: int, group: int = TOP_K_GROUP,
+                    group_max: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x.topk(k, dim=-1)`` (values, indices) of x [c, V] in two small steps instead of one over V: the k
     groups of ``group`` columns with the largest maxima hold every one of the k largest values, so the
     top k of those groups' columns are the top k of the row (the same values; among equal values the
-    indices may differ, as topk's own order among ties is unspecified)."""
+    indices may differ, as topk's own order among ties is unspecified). ``group_max``: the groups'
+    maxima [c, V / group] when already known (:class:`ChunkStats`)."""
     c, V = x.shape
     if V <= 2 * k * group:
         return x.topk(k, dim=-1)
     if V % group:
         x = torch.nn.functional.pad(x, (0, group - V % group), value=float("-inf"))
     blocks = x.view(c, -1, group)
-    best = blocks.amax(-1).topk(k, dim=-1).indices  # [c, k] groups
+    best = (blocks.amax(-1) if group_max is None else group_max).topk(k, dim=-1).indices  # [c, k] groups
     values, at = blocks.gather(1, best[..., None].expand(-1, -1, group)).reshape(c, k * group).topk(k, dim=-1)
     return values, best.gather(1, at // group) * group + at % group
 
@@ -152,14 +171,14 @@ def _pad_rows(t, n):
 @dataclass(frozen=True)
 class _Rows:
     """What :class:`_ChunkedLinearLoss` scores, besides the tensors that take a gradient: labels [M], weights
-    [M]; the teacher's hidden rows [T, H] (or None) and, per row, the index of its teacher row [M] (rows sorted
-    by it, so that a chunk's rows share few teacher rows and the LM head runs once per distinct one)."""
+    [M]; the teacher's hidden rows [T, H] (or None) and which of them each chunk needs (the rows sorted by
+    their teacher row, so that a chunk's rows share few and the LM head runs once per distinct one)."""
 
     idx: torch.Tensor  # the rows of h (and e) scored: those of weight > 0
     labels: torch.Tensor
     w: torch.Tensor
     teacher_h: torch.Tensor | None = None
-    teacher_idx: torch.Tensor | None = None
+    teacher_plan: _TeacherPlan | None = None
 
 
 @dataclass(frozen=True)
@@ -174,16 +193,40 @@ class _How:
     collect: dict | None = None
 
 
-def _teacher_logits(rows: _Rows, s: int, n: int, pad: int, weight: torch.Tensor) -> torch.Tensor | None:
-    """The teacher's logits of rows s..s+n (padded by ``pad`` rows): the LM head once per distinct teacher row."""
+@dataclass(frozen=True)
+class _TeacherPlan:
+    """Which teacher rows each chunk needs, found for all chunks at once (one host sync): the chunk from
+    row s of chunk i runs the LM head on ``teacher_h[distinct[bounds[i]:bounds[i + 1]]]``, and its row r
+    takes that result's row ``local[r]``."""
+
+    distinct: torch.Tensor
+    local: torch.Tensor
+    bounds: list[int]
+
+    @staticmethod
+    def of(teacher_idx: torch.Tensor, chunk_size: int) -> "_TeacherPlan":
+        """For rows sorted by their teacher row ``teacher_idx`` [M]."""
+        pos = torch.arange(teacher_idx.numel(), device=teacher_idx.device)
+        first = pos % chunk_size == 0  # a chunk's first row opens a new distinct row
+        first[1:] |= teacher_idx[1:] != teacher_idx[:-1]
+        d = first.cumsum(0) - 1  # each row's index into ``distinct``
+        distinct = teacher_idx[first]
+        starts = d[::chunk_size]
+        return _TeacherPlan(distinct, d - starts.repeat_interleave(chunk_size)[: d.numel()],
+                            starts.tolist() + [distinct.numel()])
+
+
+def _teacher_logits(rows: _Rows, i: int, s: int, n: int, pad: int, weight: torch.Tensor) -> torch.Tensor | None:
+    """The teacher's logits of chunk i (rows s..s+n, padded by ``pad`` rows): the LM head once per distinct
+    teacher row."""
     if rows.teacher_h is None:
         return None
-    tix = rows.teacher_idx[s : s + n]
-    distinct, inverse = torch.unique_consecutive(tix, return_inverse=True)  # rows are sorted by teacher row
-    logits = rows.teacher_h[distinct].to(weight.dtype) @ weight.t()
-    if distinct.numel() == n and not pad:
+    plan = rows.teacher_plan
+    lo, hi = plan.bounds[i], plan.bounds[i + 1]
+    logits = rows.teacher_h[plan.distinct[lo:hi]].to(weight.dtype) @ weight.t()
+    if hi - lo == n and not pad:
         return logits
-    return logits[_pad_rows(inverse, pad)]  # padding rows reuse the first row (their weight is 0)
+    return logits[_pad_rows(plan.local[s : s + n], pad)]  # padding rows reuse the first row (their weight is 0)
 
 
 class _ChunkedLinearLoss(torch.autograd.Function):
@@ -224,32 +267,38 @@ class _ChunkedLinearLoss(torch.autograd.Function):
             collect["chosen_logit"] = torch.empty(M, dtype=torch.float32, device=h.device)
         if collect is not None and rows.teacher_h is not None:
             collect["teacher_argmax"] = torch.empty(M, dtype=torch.long, device=h.device)
+        # the gradient leaves the chunk in the dtype its matmul reads (fp32 where a weight's gradient needs it)
+        grad_dtype = None
+        if need_h or need_w or need_e or need_w2:
+            grad_dtype = torch.float32 if (need_w or need_e or need_w2) else weight.dtype
+        group = TOP_K_GROUP if top_k and weight.shape[0] % TOP_K_GROUP == 0 else 0  # the selector's top-k groups
         for s in range(0, M, chunk_size):
             hc, yc = h[s : s + chunk_size].to(weight.dtype), labels[s : s + chunk_size]  # the LM head's dtype
             ec = e[s : s + chunk_size].to(w2.dtype) if e is not None else None
             n = hc.shape[0]
             pad = chunk_size - n if how.ce.static_shape else 0  # one static shape for the compiled chunk
             hc, yc = _pad_rows(hc, pad), _pad_rows(yc, pad)
-            teacher = _teacher_logits(rows, s, n, pad, weight)
+            teacher = _teacher_logits(rows, s // chunk_size, s, n, pad, weight)
             logits = hc @ weight.t()  # [c, V]
             if ec is not None:
                 logits = logits + (_pad_rows(ec, pad) @ w2.t()).to(logits.dtype)
-            lrow, crow, g, arow, targmax = how.ce.fn(logits, yc, teacher, obj, need_h or need_w or need_e or need_w2)
+            out = how.ce.fn(logits, yc, teacher, obj, grad_dtype, group)
+            lrow, crow, g, arow = out.loss, out.correct, out.grad, out.accept
             row_loss[s : s + n], row_correct[s : s + n] = lrow[:n], crow[:n]
             if arow is not None:
                 collect["accept"][s : s + n] = arow[:n]
             chosen = yc[:n]
             if "teacher_argmax" in (collect or {}):
-                chosen = collect["teacher_argmax"][s : s + n] = targmax[:n]
+                chosen = collect["teacher_argmax"][s : s + n] = out.teacher_argmax[:n]
             if top_k:  # the multiplier (> 0) and the soft cap are monotone: the raw logits' order is theirs
-                values, indices = top_k_by_groups(logits[:n], top_k)
+                values, indices = top_k_by_groups(logits[:n], top_k, group_max=out.group_max[:n] if group else None)
                 collect["candidates"][s : s + n], collect["candidate_logits"][s : s + n] = indices, values
                 collect["chosen_logit"][s : s + n] = logits[:n].gather(1, chosen[:, None])[:, 0]
             del logits, teacher
             if g is not None:
                 g = g[:n]
                 if need_h:
-                    grad_h[s : s + n] = g.to(weight.dtype) @ weight  # unweighted: scaled below
+                    grad_h[s : s + n] = g.to(weight.dtype) @ weight  # unweighted: scaled below (g: in its dtype)
                 if need_w:
                     grad_w += (g * w[s : s + n, None].float()).t() @ hc[:n].float()
                 if need_e:
@@ -348,7 +397,7 @@ def block_loss(
         if objective.accept:
             collect["accept"] = w.new_zeros(labels.shape)
         return (zero, zero.detach(), zero.detach()) if reduction == "sum" else (zero, zero.detach())
-    teacher = teacher_idx = None
+    teacher = plan = None
     if objective.needs_teacher:
         teacher = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
         teacher_idx = torch.arange(y.shape[0], device=y.device)
@@ -356,8 +405,8 @@ def block_loss(
             offsets = torch.arange(labels.shape[0], device=y.device)[:, None] * teacher_hidden.shape[1]
             teacher_idx = (teacher_rows + offsets).reshape(-1)
             idx = idx[torch.argsort(teacher_idx[idx], stable=True)]
-        teacher_idx = teacher_idx[idx]
-    rows = _Rows(idx, y[idx], w[idx], teacher, teacher_idx)
+        plan = _TeacherPlan.of(teacher_idx[idx], int(chunk_size))
+    rows = _Rows(idx, y[idx], w[idx], teacher, plan)
     how = _How(int(chunk_size), ce, objective, (lambda row_loss: reweight(row_loss, idx)) if reweight else None,
                collect)
     e, w2 = (markov[0].reshape(-1, markov[0].shape[-1]), markov[1]) if markov is not None else (None, None)
