@@ -143,6 +143,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
     pass; an LM head weight that needs a gradient then cannot be trained (it is frozen).
     """
 
+    # reason: autograd.Function.apply takes positionals only: one per input
     @staticmethod
     def forward(ctx, h, weight, labels, w, teacher_h, e, w2, chunk_size, ce, obj, reweight, collect):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -225,6 +226,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         return gh, gw, None, None, None, ge, gw2, None, None, None, None, None
 
 
+# reason: each keyword is one loss option of the recipes, defaulted for callers
 def block_loss(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
@@ -300,6 +302,7 @@ def block_loss(
     return loss_sum / loss_weight.clamp(min=1e-12), correct / total
 
 
+# reason: the selector's inputs are block_loss's, tensor by tensor
 def selector_loss(
     selector,
     hidden: torch.Tensor,
