@@ -151,7 +151,7 @@ def train_one(cfg: dict, target: str, tokenized: str, run: Path, device: str, lo
     """One rank of the pipeline's training on this process's device, then its export; returns its summary."""
     from dflashpipe.config import settings
     from dflashpipe.drafter.export import export_final
-    from dflashpipe.drafter.train import TrainConfig, train_rank
+    from dflashpipe.drafter.train import TrainConfig, TrainRun, train_rank
 
     if (run / "drafter").is_dir() and (run / "summary.json").exists():  # trained by an earlier call
         log(f"{run}: trained already, evaluating its drafter")
@@ -161,9 +161,9 @@ def train_one(cfg: dict, target: str, tokenized: str, run: Path, device: str, lo
     rdzv = (run / "rendezvous").resolve()  # a file:// URL needs an absolute path
     rdzv.unlink(missing_ok=True)
     t0 = time.time()
-    summary = train_rank(tc, tokenized, target, str(run / "checkpoints"), 0, 1, f"file://{rdzv}", device,
-                         str(run / "metrics.csv"), str(run / "summary.json"), final_state=str(run / "final.safetensors"),
-                         log=log)
+    train_run = TrainRun(tc, tokenized, target, str(run), str(run / "metrics.csv"), str(run / "summary.json"),
+                         final_state=str(run / "final.safetensors"), init_method=f"file://{rdzv}")
+    summary = train_rank(train_run, 0, device, log=log)  # checkpoints in run/checkpoints/<identity key>
     summary["wall_s"] = time.time() - t0
     export_final(run / "final.safetensors", target, run / "drafter", log=log)
     return summary
