@@ -171,7 +171,8 @@ def train_one(cfg: dict, target: str, tokenized: str, run: Path, device: str, lo
 
 def evaluate_one(cfg: dict, target: str, drafter: Path, prompts: dict, run: Path, device: str, log,
                  methods=("dflash", "ar")) -> dict:
-    from dflashpipe.evaluate.run import EvalSettings, evaluate_dataset
+    from dflashpipe.evaluate.run import evaluate_dataset
+    from dflashpipe.evaluate.settings import EvalRun, EvalSettings
 
     ev = cfg["evaluate"]
     settings = EvalSettings(max_new_tokens=ev["max_new_tokens"], temperature=0.0, num_prompts=ev["num_prompts"],
@@ -181,8 +182,8 @@ def evaluate_one(cfg: dict, target: str, drafter: Path, prompts: dict, run: Path
     for name, spec in cfg["datasets"].items():
         if spec["use"] != "eval":
             continue
-        s = evaluate_dataset(target, str(drafter), str(prompts[name]), str(run / f"{name}.samples.parquet"),
-                             str(run / f"{name}.summary.json"), settings, device=device, log=log)
+        s = evaluate_dataset(EvalRun(settings, target, str(drafter), str(prompts[name]), str(run / f"{name}.samples.parquet"),
+                                     str(run / f"{name}.summary.json"), device=device), log=log)
         out[name] = s
     return out
 
