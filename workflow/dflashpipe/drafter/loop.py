@@ -134,10 +134,10 @@ def seconds_since(t0: float, device: torch.device) -> float:
 
 def metrics_row(r: Rank, step: int, out: dict, lr: float, dt: float) -> dict:
     """The metrics history's row of a step (the held-out columns are added where it evaluates)."""
-    K = r.run.world_size
+    world_size = r.run.world_size
     return {"step": step, "epoch": f"{step / r.data.steps_per_epoch:.4f}", "loss": f"{out['loss']:.6f}",
             "acc": f"{out['acc']:.6f}", "lr": f"{lr:.6g}", "grad_norm": f"{out['grad_norm']:.6g}",
-            "tokens_per_s": f"{out['tokens'] / dt:.1f}", "tokens_per_s_per_gpu": f"{out['tokens'] / dt / K:.1f}",
+            "tokens_per_s": f"{out['tokens'] / dt:.1f}", "tokens_per_s_per_gpu": f"{out['tokens'] / dt / world_size:.1f}",
             "step_seconds": f"{dt:.4f}", "peak_mem_mb": f"{peak_mem_mb(r.setup.device):.1f}"}
 
 

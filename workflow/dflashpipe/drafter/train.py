@@ -1,14 +1,17 @@
-"""Train a DFlash drafter: one rank of a data-parallel run, read top to bottom.
+"""Train a DFlash drafter: one rank of a data-parallel run.
 
-A run with K ranks is K processes (started together by :mod:`.launch`, one
-GPU each, on one node or several) that call :func:`train_rank` with ranks 0..K-1 and meet
+A run is one :class:`TrainRun` (settings, inputs, outputs, identity, world). A run with K ranks
+(``world_size``) is K processes (started together by :mod:`.launch`, one GPU each, on one node or
+several) that call :func:`train_rank` with the run and ranks 0..K-1 and meet
 through a rendezvous (torch.distributed; NCCL on GPU, gloo on CPU; also for K=1,
 one code path). ``train.batch_size`` is the GLOBAL batch of a step: rank r
 trains on its ``batch_size / K`` slice of it, so 1, 2 or 8 GPUs train the same
 drafter (same samples per step, same order, same anchors; :mod:`.data`), only
 sooner. Gradients are exchanged by DDP and the AdamW state is sharded (ZeRO-1;
-:mod:`.distributed`); the step itself is in :mod:`.step`, checkpoints and the
-metrics history in :mod:`.checkpoint`, the held-out figures in :mod:`.heldout`.
+:mod:`.distributed`); the step itself is in :mod:`.step`, the loop over the steps in
+:mod:`.loop`, checkpoints and the metrics history in :mod:`.checkpoint`, the held-out figures in
+:mod:`.heldout`. Here: the run, building a rank, and the sections around the loop (data, resume,
+hot start, outputs).
 
 Optimiser: AdamW, fp32 master weights (bf16 autocast on CUDA), linear warm-up
 then cosine, grad clip on the global norm.
@@ -320,16 +323,16 @@ def _resume(run: TrainRun, rank: int, drafter, dev: torch.device, log) -> tuple:
 
 
 def _log_start(r: Rank, start_step: int, t_start: float, laps: Laps) -> None:
-    cfg, setup, data, K = r.run.cfg, r.setup, r.data, r.run.world_size
+    cfg, setup, data, world_size = r.run.cfg, r.setup, r.data, r.run.world_size
     r.log(
-        f"train rank {r.rank}/{K} on {setup.device}: {len(data.train_idx)} train / {len(data.heldout_idx)} held-out "
+        f"train rank {r.rank}/{world_size} on {setup.device}: {len(data.train_idx)} train / {len(data.heldout_idx)} held-out "
         f"samples, {data.steps_per_epoch} steps/epoch, {data.total_steps} steps of {cfg.batch_size} sequences "
         f"({setup.rank_batch} on this rank), attention={setup.attention}, "
         f"dtype={'bf16 autocast' if setup.autocast_dtype else 'fp32'}"
         + (f", resumed from step {start_step}" if start_step else "")
     )
     r.log(f"set up in {time.time() - t_start:.1f} s ({laps})")
-    cache_off = target_cache_off(cfg, K)
+    cache_off = target_cache_off(cfg, world_size)
     if cache_off and r.rank == 0:
         r.log(cache_off)
 
@@ -370,7 +373,7 @@ def _publish(r: Rank, p: Progress, history) -> dict:
 
 
 def _summary(r: Rank, p: Progress) -> dict:
-    cfg, setup, data, dev, K, last = r.run.cfg, r.setup, r.data, r.setup.device, r.run.world_size, p.last
+    cfg, setup, data, dev, world_size, last = r.run.cfg, r.setup, r.data, r.setup.device, r.run.world_size, p.last
     steady = p.step_times[1:] or p.step_times  # the first step includes any compile
     steady_tokens = p.step_tokens[1:] or p.step_tokens
     tokens_per_s = (sum(steady_tokens) / sum(steady)) if steady else None
@@ -404,9 +407,9 @@ def _summary(r: Rank, p: Progress) -> dict:
         "loss": cfg.loss,
         "position_weights": cfg.position_weights,
         "tokens_per_s": tokens_per_s,  # context tokens of all ranks per second
-        "tokens_per_s_per_gpu": tokens_per_s / K if tokens_per_s else None,
+        "tokens_per_s_per_gpu": tokens_per_s / world_size if tokens_per_s else None,
         "total_seconds": time.time() - p.t_start,
-        "world_size": K,
+        "world_size": world_size,
         "attention": setup.attention,
         "dtype": "bf16" if setup.autocast_dtype else "fp32",
         "resumed_from_step": p.start_step or None,
