@@ -40,12 +40,12 @@ ON = {"cpu": ["evaluate.num_prompts=20"],
 def steps_only(name: str, cfg: dict, run: Path) -> None:
     import pandas as pd
     from dflashpipe.config import settings
-    from dflashpipe.drafter.train import TrainConfig, train_rank
+    from dflashpipe.drafter.train import TrainConfig, TrainRun, train_rank
 
     tc = settings(TrainConfig, cfg["drafter"], cfg["train"], seed=cfg["seed"], tensorboard=False)
     run.mkdir(parents=True)
-    train_rank(tc, "results/tokenized/train", cfg["target"]["path"], str(run / "ck"), 0, 1,
-               f"file://{run.resolve()}/rdzv", "cpu", str(run / "metrics.csv"), str(run / "summary.json"), log=lambda m: None)
+    train_rank(TrainRun(tc, "results/tokenized/train", cfg["target"]["path"], str(run), str(run / "metrics.csv"),
+                        str(run / "summary.json"), init_method=f"file://{run.resolve()}/rdzv"), 0, "cpu", log=lambda m: None)
     s = pd.read_csv(run / "metrics.csv")["step_seconds"][1:]
     print(f"{name}: step {s.mean():.3f} s (min {s.min():.3f}) over steps 2-{len(s) + 1}", flush=True)
 

@@ -85,7 +85,7 @@ def phase(name: str, work: Path, a) -> dict:
     cache_root = work / f"cache_{'hot' if name in ('warm', 'hot', 'seeded') else name}"
     seeded = seed_slot_cache(cache_root, slot)  # the warm chain's step; nothing for slot 0
     cache = use_slot_cache(cache_root, slot)
-    from dflashpipe.drafter.train import train_rank, warm_compile
+    from dflashpipe.drafter.train import TrainRun, train_rank, warm_compile
 
     if name in ("warm", "seeded"):
         out = warm_compile(train_config(a), str(work / "tokenized"), str(work / "target"), a.device, 1, log=lambda m: None)
@@ -94,10 +94,10 @@ def phase(name: str, work: Path, a) -> dict:
                 "files_seeded": seeded, "counters": stamp["counters"]}
     guard = hot_start(str(work / "stamp0.json"), a.device) if name == "hot" else None
     try:
-        s = train_rank(train_config(a, compile="none" if name == "dense" else None), str(work / "tokenized"), str(work / "target"),
-                       str(work / f"ckpt_{name}"), 0, 1, f"file://{work}/rdzv_{name}_{time.time_ns()}", a.device,
-                       str(work / f"metrics_{name}.csv"), str(work / f"summary_{name}.json"), log=lambda m: None,
-                       hot_start=guard)
+        run = TrainRun(train_config(a, compile="none" if name == "dense" else None), str(work / "tokenized"),
+                       str(work / "target"), str(work / f"run_{name}"), str(work / f"metrics_{name}.csv"),
+                       str(work / f"summary_{name}.json"), init_method=f"file://{work}/rdzv_{name}_{time.time_ns()}")
+        s = train_rank(run, 0, a.device, log=lambda m: None, hot_start=guard)
         s = {**s, **s["ranks"][0]}  # one rank: its own figures
     except Exception as err:  # the dense phase is expected to end here
         return {"phase": name, "wall_s": time.time() - t0, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"}

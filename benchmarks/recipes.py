@@ -151,7 +151,7 @@ def train_one(cfg: dict, target: str, tokenized: str, run: Path, device: str, lo
     """One rank of the pipeline's training on this process's device, then its export; returns its summary."""
     from dflashpipe.config import settings
     from dflashpipe.drafter.export import export_final
-    from dflashpipe.drafter.train import TrainConfig, train_rank
+    from dflashpipe.drafter.train import TrainConfig, TrainRun, train_rank
 
     if (run / "drafter").is_dir() and (run / "summary.json").exists():  # trained by an earlier call
         log(f"{run}: trained already, evaluating its drafter")
@@ -161,9 +161,9 @@ def train_one(cfg: dict, target: str, tokenized: str, run: Path, device: str, lo
     rdzv = (run / "rendezvous").resolve()  # a file:// URL needs an absolute path
     rdzv.unlink(missing_ok=True)
     t0 = time.time()
-    summary = train_rank(tc, tokenized, target, str(run / "checkpoints"), 0, 1, f"file://{rdzv}", device,
-                         str(run / "metrics.csv"), str(run / "summary.json"), final_state=str(run / "final.safetensors"),
-                         log=log)
+    train_run = TrainRun(tc, tokenized, target, str(run), str(run / "metrics.csv"), str(run / "summary.json"),
+                         final_state=str(run / "final.safetensors"), init_method=f"file://{rdzv}")
+    summary = train_rank(train_run, 0, device, log=log)  # checkpoints in run/checkpoints/<identity key>
     summary["wall_s"] = time.time() - t0
     export_final(run / "final.safetensors", target, run / "drafter", log=log)
     return summary
@@ -171,7 +171,8 @@ def train_one(cfg: dict, target: str, tokenized: str, run: Path, device: str, lo
 
 def evaluate_one(cfg: dict, target: str, drafter: Path, prompts: dict, run: Path, device: str, log,
                  methods=("dflash", "ar")) -> dict:
-    from dflashpipe.evaluate.run import EvalSettings, evaluate_dataset
+    from dflashpipe.evaluate.run import evaluate_dataset
+    from dflashpipe.evaluate.settings import EvalRun, EvalSettings
 
     ev = cfg["evaluate"]
     settings = EvalSettings(max_new_tokens=ev["max_new_tokens"], temperature=0.0, num_prompts=ev["num_prompts"],
@@ -181,8 +182,8 @@ def evaluate_one(cfg: dict, target: str, drafter: Path, prompts: dict, run: Path
     for name, spec in cfg["datasets"].items():
         if spec["use"] != "eval":
             continue
-        s = evaluate_dataset(target, str(drafter), str(prompts[name]), str(run / f"{name}.samples.parquet"),
-                             str(run / f"{name}.summary.json"), settings, device=device, log=log)
+        s = evaluate_dataset(EvalRun(settings, target, str(drafter), str(prompts[name]), str(run / f"{name}.samples.parquet"),
+                                     str(run / f"{name}.summary.json"), device=device), log=log)
         out[name] = s
     return out
 

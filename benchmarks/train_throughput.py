@@ -164,7 +164,7 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
             "loss_mask": [[0] * (S // 8) + [1] * (S - S // 8)]}
 
     def batch(step: int):  # anchors re-sampled per step, as in training
-        return make_batch(rows, S, [step * world + rank], 0, N, bs, dev)
+        return make_batch(rows, S, [step * world + rank], 0, cfg, dev)  # cfg: N anchors, blocks of bs
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 

@@ -88,8 +88,8 @@ def test_training_with_an_fp8_target_quantizes_it_and_learns(micro_target, micro
     assert any(isinstance(m, Fp8Linear) for m in target.modules())
     assert not any(type(m) is nn.Linear for m in target.model.layers.modules())
     a = rank_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 1, "rdzv", "fp8")
-    summary = train_rank(cfg, **a, log=quiet)
-    losses = [r["loss"] for r in read_metrics(a["metrics_csv"])]
+    summary = train_rank(**a, log=quiet)
+    losses = [r["loss"] for r in read_metrics(a["run"].metrics_csv)]
     assert len(losses) >= 4 and losses[-1] < losses[0]
     assert summary["heldout_loss"] > 0
 

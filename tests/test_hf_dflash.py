@@ -169,7 +169,8 @@ def test_evaluator_runs_hf_dflash_or_records_why_not(micro_target, tmp_path, mon
     import dflashpipe.evaluate.hf_assistant as hfa
     from conftest import PROMPTS as PROMPT_DIR
     from conftest import read_jsonl_gz
-    from dflashpipe.evaluate.run import EvalSettings, evaluate_dataset
+    from dflashpipe.evaluate.run import evaluate_dataset
+    from dflashpipe.evaluate.settings import EvalRun, EvalSettings
     from dflashpipe.target import load_target
 
     tgt, tok = load_target(str(micro_target))
@@ -182,11 +183,11 @@ def test_evaluator_runs_hf_dflash_or_records_why_not(micro_target, tmp_path, mon
                   "reference": [None] * 2}).to_parquet(tmp_path / "p.parquet")
 
     def run(name, log):
-        return evaluate_dataset(
-            str(micro_target), str(tmp_path / "drafter"), str(tmp_path / "p.parquet"), str(tmp_path / f"{name}.parquet"),
-            str(tmp_path / f"{name}.json"), EvalSettings(max_new_tokens=8, methods=["dflash", "hf_dflash"], warmup=False),
-            log=log.append,
-        )
+        return evaluate_dataset(EvalRun(
+            EvalSettings(max_new_tokens=8, methods=["dflash", "hf_dflash"], warmup=False), str(micro_target),
+            str(tmp_path / "drafter"), str(tmp_path / "p.parquet"), str(tmp_path / f"{name}.parquet"),
+            str(tmp_path / f"{name}.json"),
+        ), log=log.append)
 
     s = run("on", [])
     assert list(s["methods"]) == ["dflash", "ar", "hf_dflash"] and s["skipped_methods"] == {}

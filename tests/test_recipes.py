@@ -322,7 +322,7 @@ def test_simulated_tau_counts_each_blocks_leading_run():
     hidden = F.one_hot(want, H).float() * 10
     target = SimpleNamespace(get_output_embeddings=lambda: SimpleNamespace(weight=lm))
     batch = SimpleNamespace(input_ids=ids, loss_mask=loss_mask, anchors=anchors, keep=keep)
-    setup = SimpleNamespace(block_size=bs, mask_token_id=cfg.mask_token_id, gamma=2.0, loss_chunk_size=3,
+    setup = SimpleNamespace(cfg=SimpleNamespace(block_size=bs, loss_chunk_size=3), mask_token_id=cfg.mask_token_id, gamma=2.0,
                             label_shift=0)
     drafter = DFlashDrafter(cfg)
     sums = acceptance_sums(drafter, hidden, target, batch, setup)
@@ -427,6 +427,7 @@ def test_dspark_training_step_trains_backbone_markov_and_confidence_heads():
 
     from dflashpipe.drafter.masks import default_gamma
     from dflashpipe.drafter.step import Setup, forward_loss, resolve_setup
+    from dflashpipe.drafter.train import TrainConfig
 
     torch.manual_seed(0)
     tc = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -436,10 +437,11 @@ def test_dspark_training_step_trains_backbone_markov_and_confidence_heads():
     drafter = DFlashDrafter(cfg)
     ids, lm, anchors, keep, _ = make_batch(cfg)
     batch = SimpleNamespace(input_ids=ids, loss_mask=lm, anchors=anchors, keep=keep, index=None)
-    setup = Setup(device=torch.device("cpu"), attention="sdpa", compile="none", autocast_dtype=None,
-                  target_dtype=torch.float32, block_size=4, label_shift=1, num_anchors=anchors.shape[1],
-                  mask_token_id=V - 1, layer_ids=cfg.target_layer_ids, gamma=default_gamma(4, 1), loss_chunk_size=7,
-                  grad_clip=1.0, rank_batch=2, objective=Objective("dspark", accept=True))
+    train = TrainConfig(block_size=4, num_anchors=anchors.shape[1], loss_chunk_size=7, grad_clip=1.0,
+                        position_weights="decay")
+    setup = Setup(cfg=train, device=torch.device("cpu"), attention="sdpa", compile="none", autocast_dtype=None,
+                  target_dtype=torch.float32, label_shift=1, mask_token_id=V - 1, layer_ids=cfg.target_layer_ids,
+                  gamma=default_gamma(4, 1), rank_batch=2, world_size=1, objective=Objective("dspark", accept=True))
     loss_sum, _, loss_w, _ = forward_loss(drafter, target, batch, setup)
     assert loss_w > 0
     loss_sum.backward()
@@ -469,7 +471,7 @@ def test_dspark_simulated_tau_counts_every_slot():
     hidden = F.one_hot(want, H).float() * 10
     target = SimpleNamespace(get_output_embeddings=lambda: SimpleNamespace(weight=lm))
     batch = SimpleNamespace(input_ids=ids, loss_mask=loss_mask, anchors=anchors, keep=keep)
-    setup = SimpleNamespace(block_size=bs, mask_token_id=cfg.mask_token_id, gamma=2.0, loss_chunk_size=3, label_shift=1)
+    setup = SimpleNamespace(cfg=SimpleNamespace(block_size=bs, loss_chunk_size=3), mask_token_id=cfg.mask_token_id, gamma=2.0, label_shift=1)
     drafter = DFlashDrafter(cfg)
     with torch.no_grad():
         drafter.markov_head.markov_w2.weight.zero_()  # proposals: the argmax of each slot

@@ -16,7 +16,7 @@ from conftest import REPO
 from dflashpipe.config import load_schema, schema_settings, settings
 from dflashpipe.drafter.train import TrainConfig
 from dflashpipe.evaluate.ar_draft import ARDraftConfig
-from dflashpipe.evaluate.run import EvalSettings
+from dflashpipe.evaluate.settings import EvalSettings
 from dflashpipe.expand import ExpandSettings
 from dflashpipe.expand_openai import ServerSettings
 from dflashpipe.tiny_target import TinyTargetConfig

@@ -294,7 +294,8 @@ def test_evaluate_dataset_writes_samples_and_summary(micro, micro_target, tmp_pa
     from conftest import PROMPTS as PROMPT_DIR
     from conftest import read_jsonl_gz
     from dflashpipe.evaluate.ar_draft import ARDraftConfig, train_ar_draft
-    from dflashpipe.evaluate.run import EvalSettings, evaluate_dataset
+    from dflashpipe.evaluate.run import evaluate_dataset
+    from dflashpipe.evaluate.settings import EvalRun, EvalSettings
 
     target, tok, drafter, cfg = micro
     save_drafter(drafter, cfg, tmp_path / "drafter", target.config)
@@ -306,12 +307,11 @@ def test_evaluate_dataset_writes_samples_and_summary(micro, micro_target, tmp_pa
                           seq_len=64, batch_size=2, warmup_steps=1, max_steps=2)
     train_ar_draft([r["messages"] for r in rows], str(micro_target), str(tmp_path / "ar"), small, log=lambda s: None)
     logs = []
-    summary = evaluate_dataset(
+    summary = evaluate_dataset(EvalRun(
+        EvalSettings(max_new_tokens=12, num_prompts=2, prompt_lookup_num_tokens=4),
         str(micro_target), str(tmp_path / "drafter"), str(tmp_path / "prompts.parquet"),
-        str(tmp_path / "out" / "samples.parquet"), str(tmp_path / "out" / "summary.json"),
-        EvalSettings(max_new_tokens=12, num_prompts=2, prompt_lookup_num_tokens=4), ar_draft_dir=str(tmp_path / "ar"),
-        log=logs.append,
-    )
+        str(tmp_path / "out" / "samples.parquet"), str(tmp_path / "out" / "summary.json"), ar_draft_dir=str(tmp_path / "ar"),
+    ), log=logs.append)
     df = pd.read_parquet(tmp_path / "out" / "samples.parquet")
     assert sorted(df["method"].unique()) == ["ar", "assisted", "dflash", "hf_generate", "prompt_lookup"]
     assert len(df) == 10 and df["id"].nunique() == 2
@@ -328,8 +328,8 @@ def test_evaluate_dataset_writes_samples_and_summary(micro, micro_target, tmp_pa
         assert s["tokens_per_target_forward"] >= 1 and s["peak_memory_bytes"] > 0 and s["speedup_vs_ar"] > 0, m
     assert summary["methods"]["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
     with pytest.raises(UserError, match="methods"):
-        evaluate_dataset(str(micro_target), str(tmp_path / "drafter"), str(tmp_path / "prompts.parquet"),
-                         str(tmp_path / "s2.parquet"), str(tmp_path / "s2.json"), EvalSettings(methods=["assisted"]))
+        evaluate_dataset(EvalRun(EvalSettings(methods=["assisted"]), str(micro_target), str(tmp_path / "drafter"),
+                                 str(tmp_path / "prompts.parquet"), str(tmp_path / "s2.parquet"), str(tmp_path / "s2.json")))
 
 
 def test_evaluate_skips_unusable_prompts_and_keeps_a_failed_check(micro, micro_target, tmp_path, monkeypatch):
@@ -337,6 +337,7 @@ def test_evaluate_skips_unusable_prompts_and_keeps_a_failed_check(micro, micro_t
     a failed lossless check keeps its samples and summary for inspection (Snakemake removes
     the job's outputs)."""
     import dflashpipe.evaluate.run as run
+    from dflashpipe.evaluate.settings import EvalRun, EvalSettings
 
     target, tok, drafter, cfg = micro
     save_drafter(drafter, cfg, tmp_path / "drafter", target.config)
@@ -346,7 +347,7 @@ def test_evaluate_skips_unusable_prompts_and_keeps_a_failed_check(micro, micro_t
     out = tmp_path / "eval"
     args = (str(micro_target), str(tmp_path / "drafter"), str(tmp_path / "p.parquet"), str(out / "d.samples.parquet"),
             str(out / "d.summary.json"))
-    s = run.evaluate_dataset(*args, run.EvalSettings(max_new_tokens=6, methods=["dflash", "ar"]), log=lambda m: None)
+    s = run.evaluate_dataset(EvalRun(EvalSettings(max_new_tokens=6, methods=["dflash", "ar"]), *args), log=lambda m: None)
     assert s["n_prompts"] == 2 and s["skipped_prompts"] == {"skipped_empty_prompt": 1, "skipped_prompt_too_long": 1}
     assert set(pd.read_parquet(out / "d.samples.parquet")["id"]) == {"ok", "ok2"}
 
@@ -357,7 +358,7 @@ def test_evaluate_skips_unusable_prompts_and_keeps_a_failed_check(micro, micro_t
     for f in out.glob("d.*"):
         f.unlink()
     with pytest.raises(UserError, match=r"diverges from AR; samples and summary kept for inspection: .*failed/d\.samples\.parquet") as e:
-        run.evaluate_dataset(*args, run.EvalSettings(max_new_tokens=6, methods=["dflash", "ar"], lossless="exact"),
+        run.evaluate_dataset(EvalRun(EvalSettings(max_new_tokens=6, methods=["dflash", "ar"], lossless="exact"), *args),
                              log=lambda m: None)
     assert "\n" not in str(e.value)
     kept = json.loads((out / "failed/d.summary.json").read_text())
@@ -366,7 +367,7 @@ def test_evaluate_skips_unusable_prompts_and_keeps_a_failed_check(micro, micro_t
 
     pd.DataFrame({"id": ["e"], "prompt": [turns[1]], "reference": [None]}).to_parquet(tmp_path / "p.parquet")
     with pytest.raises(UserError, match=r"p.parquet: no prompt to evaluate \(1 rows; skipped \{'skipped_empty_prompt': 1\}\)"):
-        run.evaluate_dataset(*args, run.EvalSettings(max_new_tokens=6, methods=["dflash", "ar"]), log=lambda m: None)
+        run.evaluate_dataset(EvalRun(EvalSettings(max_new_tokens=6, methods=["dflash", "ar"]), *args), log=lambda m: None)
 
 
 @pytest.mark.parametrize("which", ["micro", "sharp", "sharp_dspark"])

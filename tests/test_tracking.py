@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_train import BASE, park_and_kill, quiet, rank_args, read_metrics, spawn
+from test_train import BASE, again, park_and_kill, quiet, rank_args, read_metrics, spawn
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dflashpipe.drafter.checkpoint import run_identity
@@ -52,9 +52,9 @@ def test_events_equal_the_metrics_and_a_resumed_run_shows_each_step_once(micro_t
     directory; TensorBoard's reader shows each step once, with the figures of the metrics CSV."""
     cfg = TrainConfig(**BASE, max_steps=6, checkpoint_every=2, eval_every=3)
     a = rank_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 1, "rdzv_a", "tb")
-    park_and_kill([spawn(cfg, a, tmp_path, "tb", [{"at": "train.step", "step": 6, "do": "park"}])], tmp_path, "tb")
-    tb_dir, _ = tracking_dirs(a["ckpt_dir"])
-    assert tb_dir == tmp_path / "run_tb" / "tensorboard" / Path(a["ckpt_dir"]).name  # keyed like the checkpoints
+    park_and_kill([spawn(a, tmp_path, "tb", [{"at": "train.step", "step": 6, "do": "park"}])], tmp_path, "tb")
+    tb_dir, _ = tracking_dirs(a["run"].ckpt_dir)
+    assert tb_dir == tmp_path / "run_tb" / "tensorboard" / a["run"].ckpt_dir.name  # keyed like the checkpoints
     assert {1, 2, 3, 4} <= set(scalars(tb_dir)["train/loss"])  # flushed with the checkpoint of step 4 (5: maybe)
 
     from torch.utils.tensorboard import SummaryWriter
@@ -65,15 +65,15 @@ def test_events_equal_the_metrics_and_a_resumed_run_shows_each_step_once(micro_t
     with SummaryWriter(str(tb_dir)) as stale:  # what a launch killed after flushing step 5 leaves
         stale.add_scalar("train/loss", 99.0, 5)
 
-    a["init_method"] += "_again"
+    a = again(a)
     time.sleep(1.1)
-    summary = train_rank(cfg, **a, log=quiet)
+    summary = train_rank(**a, log=quiet)
     assert summary["resumed_from_step"] == 4
     assert sorted(p.name for p in tb_dir.iterdir()) == sorted(p.name for p in tb_dir.glob("events.out.tfevents.*"))
     assert raw_steps(tb_dir, "train/loss").count(5) >= 2  # on disk more than once; the resumed launch's purge_step
 
     got = scalars(tb_dir)
-    rows = read_metrics(a["metrics_csv"])
+    rows = read_metrics(a["run"].metrics_csv)
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4, 5, 6]
     for col in STEP_GROUPS:
         want = {int(r["step"]): float(r[col]) for r in rows if r[col] != ""}
@@ -117,7 +117,7 @@ def test_tracking_settings_are_operational(micro_target, micro_tokenized, tmp_pa
 
     quiet_cfg = dataclasses.replace(on, tensorboard=False)
     a = rank_args(tmp_path, quiet_cfg, micro_tokenized, micro_target, 0, 1, "rdzv", "off")
-    train_rank(quiet_cfg, **a, log=quiet)
+    train_rank(**a, log=quiet)
     assert (tmp_path / "run_off" / "metrics.csv").exists() and not (tmp_path / "run_off" / "tensorboard").exists()
 
 
@@ -129,7 +129,7 @@ def test_wandb_asked_for_but_missing_is_one_line_before_training(micro_target, m
     cfg = TrainConfig(**BASE, max_steps=1, wandb=True)
     a = rank_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 1, "rdzv", "wb")
     with pytest.raises(UserError) as e:
-        train_rank(cfg, **a, log=quiet)
+        train_rank(**a, log=quiet)
     msg = str(e.value)
     assert "\n" not in msg and "train.wandb" in msg and "pip install wandb" in msg and "train.wandb: false" in msg
-    assert not Path(a["ckpt_dir"]).exists()  # raised before anything started
+    assert not a["run"].ckpt_dir.exists()  # raised before anything started

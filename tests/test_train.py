@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,7 @@ from dflashpipe.drafter.checkpoint import checkpoint_dir, load_checkpoint, run_i
 from dflashpipe.drafter.data import epoch_batches, heldout_split, rank_slice
 from dflashpipe.drafter.features import context_features
 from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
-from dflashpipe.drafter.train import TrainConfig, train_rank
+from dflashpipe.drafter.train import TrainConfig, TrainRun, train_rank
 from dflashpipe.errors import UserError
 
 torch.set_num_threads(1)
@@ -43,40 +43,37 @@ import torch
 torch.set_num_threads(1)
 import dflashpipe.drafter.train as T
 a = json.loads(sys.argv[1])
-cfg = T.TrainConfig(**a.pop("cfg"))
-T.train_rank(cfg, log=lambda m: None, **a)
+T.train_rank(T.TrainRun.from_json(a["run"]), a["rank"], a["device"], log=lambda m: None)
 """
 
 
 def rank_args(tmp: Path, cfg: TrainConfig, tokenized, target, rank: int, world_size: int, rdzv: str, tag: str):
-    """train_rank's arguments; the checkpoint dir is keyed by the run identity, as in the pipeline."""
+    """train_rank's arguments: the run (its checkpoint dir keyed by the run identity, as in the pipeline),
+    the rank and the device."""
     run_dir = tmp / f"run_{tag}"
-    return dict(
-        tokenized_dir=str(tokenized),
-        target_dir=str(target),
-        ckpt_dir=str(checkpoint_dir(str(run_dir), run_identity(cfg, str(tokenized), str(target)))),
-        rank=rank,
-        world_size=world_size,
-        init_method=f"file://{tmp / rdzv}",
-        device="cpu",
-        metrics_csv=str(run_dir / "metrics.csv"),
-        summary_json=str(run_dir / "summary.json"),
-        final_state=str(run_dir / "final.safetensors") if rank == 0 else None,
-    )
+    run = TrainRun(cfg, str(tokenized), str(target), str(run_dir), metrics_csv=str(run_dir / "metrics.csv"),
+                   summary_json=str(run_dir / "summary.json"), final_state=str(run_dir / "final.safetensors"),
+                   shards=world_size, init_method=f"file://{tmp / rdzv}")
+    return dict(run=run.identified(), rank=rank, device="cpu")
 
 
-def spawn(cfg: TrainConfig, args: dict, tmp: Path, name: str, faults=None) -> subprocess.Popen:
+def again(a: dict) -> dict:
+    """The same rank arguments, meeting at a fresh rendezvous (a rerun)."""
+    return dict(a, run=replace(a["run"], init_method=a["run"].init_method + "_again"))
+
+
+def spawn(args: dict, tmp: Path, name: str, faults=None) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     if faults:
         env.update(DFLASH_FAULTS=json.dumps(faults), DFLASH_FAULT_MARKER=str(tmp / f"{name}.parked"))
     err = open(tmp / f"{name}.stderr", "w")
-    payload = json.dumps(dict(args, cfg=asdict(cfg)))
+    payload = json.dumps(dict(args, run=args["run"].to_json()))
     return subprocess.Popen([sys.executable, "-c", RUNNER, payload], env=env, stdout=err, stderr=err)
 
 
 def run_ranks(cfg: TrainConfig, tmp: Path, tokenized, target, world_size: int, tag: str, rdzv: str, faults=None):
     """``world_size`` rank processes of one run; returns them (not waited for)."""
-    return [spawn(cfg, rank_args(tmp, cfg, tokenized, target, r, world_size, rdzv, tag), tmp, f"{tag}_{rdzv}_r{r}", faults)
+    return [spawn(rank_args(tmp, cfg, tokenized, target, r, world_size, rdzv, tag), tmp, f"{tag}_{rdzv}_r{r}", faults)
             for r in range(world_size)]
 
 
@@ -109,7 +106,7 @@ def quiet(*_a, **_k):
 
 def train_here(cfg, tmp, tokenized, target, tag, rdzv="rdzv"):
     a = rank_args(tmp, cfg, tokenized, target, 0, 1, f"{tag}_{rdzv}", tag)
-    return train_rank(cfg, **a, log=quiet)
+    return train_rank(**a, log=quiet)
 
 
 # -- 1. K=2 ranks == K=1 on the same global batch -------------------------------
@@ -186,7 +183,7 @@ def test_killed_run_resumes_exactly_at_any_shard_count(micro_target, micro_token
     park = [{"at": "train.step", "step": 6, "rank": 0, "do": "park"}]
     procs = run_ranks(cfg, tmp_path, micro_tokenized, micro_target, before, "res", "a", faults=park)
     park_and_kill(procs, tmp_path, "res_a_r0")
-    ck = Path(rank_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 1, "x", "res")["ckpt_dir"])
+    ck = Path(rank_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 1, "x", "res")["run"].ckpt_dir)
     assert sorted(p.name for p in ck.glob("step*.pt")) == ["step0000002.pt", "step0000004.pt"]
     assert sorted(losses(ck / "metrics.csv")) == [1, 2, 3, 4, 5]  # step 5 is lost work
     assert not (tmp_path / "run_res/summary.json").exists()  # nothing published by a killed run
@@ -207,16 +204,16 @@ def test_corrupt_checkpoint_falls_back_to_the_one_before(micro_target, micro_tok
     cfg = TrainConfig(**BASE, max_steps=4, checkpoint_every=2)
     a = rank_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 1, "rdzv", "c")
     identity = run_identity(cfg, str(micro_tokenized), str(micro_target))
-    park_and_kill([spawn(cfg, a, tmp_path, "c", [{"at": "train.step", "step": 4, "do": "park"}])], tmp_path, "c")
-    ck = Path(a["ckpt_dir"])
+    park_and_kill([spawn(a, tmp_path, "c", [{"at": "train.step", "step": 4, "do": "park"}])], tmp_path, "c")
+    ck = a["run"].ckpt_dir
     intact = (ck / "step0000002.pt").read_bytes()
     (ck / "step0000003.pt").write_bytes(intact[: len(intact) // 2])  # a truncated newer checkpoint
 
     lines = []
     assert load_checkpoint(ck, identity, log=lines.append)["step"] == 2
     assert "step0000003.pt: cannot load" in lines[0] and "falling back" in lines[0]
-    a["init_method"] += "_again"
-    summary = train_rank(cfg, **a, log=quiet)  # the run resumes from the intact one and finishes
+    a = again(a)
+    summary = train_rank(**a, log=quiet)  # the run resumes from the intact one and finishes
     assert summary["resumed_from_step"] == 2 and summary["steps"] == 4
 
     with pytest.raises(UserError, match=r"step0000004\.pt: written by another run \(differs in code\)"):
@@ -235,7 +232,7 @@ def test_missing_peer_is_a_one_line_error(micro_target, micro_tokenized, tmp_pat
     a = rank_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 2, "rdzv", "lonely")
     t0 = time.time()
     with pytest.raises(UserError) as e:
-        train_rank(cfg, **a, log=quiet)
+        train_rank(**a, log=quiet)
     msg = str(e.value)
     assert time.time() - t0 < 30
     assert "\n" not in msg
@@ -305,8 +302,8 @@ def test_data_order_is_deterministic_bucketed_and_disjoint():
 def test_loss_decreases(micro_target, micro_tokenized, tmp_path):
     cfg = TrainConfig(**BASE, max_steps=20, warmup_ratio=0.1, checkpoint_every=100, eval_every=10)
     a = rank_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 1, "rdzv", "learn")
-    s = train_rank(cfg, **a, log=quiet)
-    rows = read_metrics(a["metrics_csv"])
+    s = train_rank(**a, log=quiet)
+    rows = read_metrics(a["run"].metrics_csv)
     loss = [float(r["loss"]) for r in rows]
     assert len(loss) == 20
     assert np.mean(loss[-5:]) < np.mean(loss[:3]) - 0.3, loss
@@ -316,7 +313,7 @@ def test_loss_decreases(micro_target, micro_tokenized, tmp_path):
     assert set(rows[0]) >= {"step", "epoch", "loss", "acc", "lr", "grad_norm", "tokens_per_s", "step_seconds", "peak_mem_mb"}
     from dflashpipe.drafter.export import export_final, load_drafter
 
-    model, dcfg = load_drafter(export_final(a["final_state"], micro_target, tmp_path / "drafter", log=quiet))
+    model, dcfg = load_drafter(export_final(a["run"].final_state, micro_target, tmp_path / "drafter", log=quiet))
     assert dcfg.block_size == 4 and dcfg.num_hidden_layers == 1 and dcfg.mask_token_id == 3
 
 
@@ -342,8 +339,8 @@ def test_cached_target_outputs_train_the_same_drafter_with_fewer_target_forwards
         calls.clear()
         cfg = TrainConfig(**{**BASE, "loss": "kl"}, epochs=2.5, checkpoint_every=100, cache_target_features=cache)
         a = rank_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 1, f"rdzv{cache}", f"cache{cache}")
-        s = train_rank(cfg, **a, log=quiet)
-        runs[cache] = (weights(Path(a["final_state"]).parent), read_metrics(a["metrics_csv"]), s, len(calls))
+        s = train_rank(**a, log=quiet)
+        runs[cache] = (weights(Path(a["run"].final_state).parent), read_metrics(a["run"].metrics_csv), s, len(calls))
     (w0, m0, s0, n0), (w1, m1, s1, n1) = runs[False], runs[True]
     steps = len(m0)
     assert steps >= 4 and s0["heldout_loss"] == s1["heldout_loss"]

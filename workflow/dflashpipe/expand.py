@@ -368,6 +368,7 @@ def check_chat_template(prompts: pd.DataFrame, target_path: str, s: ExpandSettin
         prompt_text(tokenizer, turns, s.chat_template_kwargs, f"{source} row id {rid!r}")
 
 
+# reason: the job's own keywords (shard, device, log, server) beside the four that say what to expand
 def expand_prompts(
     prompts_path: str,
     target_path: str,
@@ -383,8 +384,6 @@ def expand_prompts(
 
     ``server``: ``expand.server`` (used by the ``openai`` backend; operational, so not part of the
     chunks' identity: a new url or concurrency resumes the finished chunks)."""
-    from tqdm import tqdm
-
     from dflashpipe.data import read_prompts
     from dflashpipe.target import target_fingerprint
 
@@ -400,60 +399,18 @@ def expand_prompts(
         "shard": shard,
         "n_shards": n_shards,
     }
-    work = Path(str(out_path) + ".chunks")
-    settings_file = work / "settings.json"
-    if work.exists() and (not settings_file.exists() or json.loads(settings_file.read_text()) != json.loads(json.dumps(identity))):
-        log(f"settings changed (generation, decoder or decoding code) since the chunks in {work} were written: discarding them")
-        shutil.rmtree(work)
-    work.mkdir(parents=True, exist_ok=True)
-    write_json(settings_file, identity)
-
+    work = _chunk_dir(out_path, identity, log)
     n_chunks = (len(prompts) + settings.chunk_size - 1) // settings.chunk_size
-    for c in range(n_chunks):  # a damaged chunk (e.g. a disk fault) is made again, not read
-        chunk_file = work / f"chunk_{c:05d}.parquet"
-        if chunk_file.exists():
-            try:
-                pd.read_parquet(chunk_file)
-            except Exception as err:  # noqa: BLE001
-                log(f"WARNING: {chunk_file} cannot be read ({str(err).splitlines()[0][:120]}); generating it again")
-                chunk_file.unlink()
-    done = sum((work / f"chunk_{c:05d}.parquet").exists() for c in range(n_chunks))
-    if done:
-        log(f"resuming: {done} of {n_chunks} chunks already written")
+    todo = _chunks_to_generate(work, n_chunks, log)
     t0, gen_tokens = time.time(), 0
-    todo = [c for c in range(n_chunks) if not (work / f"chunk_{c:05d}.parquet").exists()]
     if todo:  # a shard with nothing left to generate (or no prompts at all) loads no model
         check_chat_template(prompts, target_path, settings, prompts_path)
         generate = BACKENDS[settings.backend](target_path, settings, device, server or ServerSettings(), log)
+        gen_tokens = _generate_chunks(generate, prompts, todo, work, settings, shard, n_chunks, log)
     elif not n_chunks:
         log(f"shard {shard} of {n_shards} has no prompts (the dataset has fewer rows than shards): writing an empty output")
-    bar = tqdm(total=sum(len(prompts.iloc[c * settings.chunk_size : (c + 1) * settings.chunk_size]) for c in todo),
-               desc=f"expand shard {shard} (prompts)", mininterval=5)
 
-    def progress(n_prompts: int, n_tokens: int) -> None:  # per generate batch: prompts done, tokens/s
-        nonlocal gen_tokens
-        gen_tokens += n_tokens
-        bar.update(n_prompts)
-        bar.set_postfix(tok_s=f"{gen_tokens / max(1e-9, time.time() - t0):.0f}", refresh=False)
-
-    for c in todo:
-        chunk_file = work / f"chunk_{c:05d}.parquet"
-        rows = prompts.iloc[c * settings.chunk_size : (c + 1) * settings.chunk_size]
-        tc = time.time()
-        records, n_new = generate(rows, settings.seed * 1_000_003 + shard * 10_007 + c, progress)
-        with atomic_path(chunk_file) as tmp:
-            pd.DataFrame(records).to_parquet(tmp, index=False)
-        log(f"chunk {c + 1}/{n_chunks}: {len(records)} responses, {n_new} tokens, {n_new / (time.time() - tc):.0f} tok/s")
-    bar.close()
-
-    frames = [pd.read_parquet(work / f"chunk_{c:05d}.parquet") for c in range(n_chunks)]
-    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=RECORD_COLUMNS)
-    for key in ("temperature", "top_p", "max_new_tokens", "seed"):
-        df[key] = getattr(settings, key)
-    df["backend"] = decoder["backend"]  # what ran (expand.backend may say auto)
-    df["dtype"] = decoder.get("dtype")
-    df["target"] = identity["target_fingerprint"]
-    df["target_path"] = str(target_path)
+    df = _merged_chunks(work, n_chunks, settings, decoder, identity["target_fingerprint"], target_path)
     with atomic_path(out_path) as tmp:
         df.to_parquet(tmp, index=False)
     shutil.rmtree(work)
@@ -469,4 +426,74 @@ def expand_prompts(
     }
     log(f"expansion done: {summary}")
     return summary
+
+
+def _chunk_dir(out_path: str, identity: dict, log) -> Path:
+    """The shard's chunk directory, emptied when its chunks were made with another identity."""
+    work = Path(str(out_path) + ".chunks")
+    settings_file = work / "settings.json"
+    if work.exists() and (not settings_file.exists() or json.loads(settings_file.read_text()) != json.loads(json.dumps(identity))):
+        log(f"settings changed (generation, decoder or decoding code) since the chunks in {work} were written: discarding them")
+        shutil.rmtree(work)
+    work.mkdir(parents=True, exist_ok=True)
+    write_json(settings_file, identity)
+    return work
+
+
+def _chunks_to_generate(work: Path, n_chunks: int, log) -> list[int]:
+    """The chunks not written yet; a damaged chunk (e.g. a disk fault) is made again, not read."""
+    for c in range(n_chunks):
+        chunk_file = work / f"chunk_{c:05d}.parquet"
+        if chunk_file.exists():
+            try:
+                pd.read_parquet(chunk_file)
+            except Exception as err:  # noqa: BLE001
+                log(f"WARNING: {chunk_file} cannot be read ({str(err).splitlines()[0][:120]}); generating it again")
+                chunk_file.unlink()
+    done = sum((work / f"chunk_{c:05d}.parquet").exists() for c in range(n_chunks))
+    if done:
+        log(f"resuming: {done} of {n_chunks} chunks already written")
+    return [c for c in range(n_chunks) if not (work / f"chunk_{c:05d}.parquet").exists()]
+
+
+def _generate_chunks(generate, prompts: pd.DataFrame, todo: list[int], work: Path, settings: ExpandSettings, shard: int,
+                     n_chunks: int, log) -> int:
+    """Generate and write the chunks ``todo``; returns the tokens generated."""
+    from tqdm import tqdm
+
+    t0, gen_tokens = time.time(), 0
+    size = settings.chunk_size
+    bar = tqdm(total=sum(len(prompts.iloc[c * size : (c + 1) * size]) for c in todo),
+               desc=f"expand shard {shard} (prompts)", mininterval=5)
+
+    def progress(n_prompts: int, n_tokens: int) -> None:  # per generate batch: prompts done, tokens/s
+        nonlocal gen_tokens
+        gen_tokens += n_tokens
+        bar.update(n_prompts)
+        bar.set_postfix(tok_s=f"{gen_tokens / max(1e-9, time.time() - t0):.0f}", refresh=False)
+
+    for c in todo:
+        chunk_file = work / f"chunk_{c:05d}.parquet"
+        rows = prompts.iloc[c * size : (c + 1) * size]
+        tc = time.time()
+        records, n_new = generate(rows, settings.seed * 1_000_003 + shard * 10_007 + c, progress)
+        with atomic_path(chunk_file) as tmp:
+            pd.DataFrame(records).to_parquet(tmp, index=False)
+        log(f"chunk {c + 1}/{n_chunks}: {len(records)} responses, {n_new} tokens, {n_new / (time.time() - tc):.0f} tok/s")
+    bar.close()
+    return gen_tokens
+
+
+def _merged_chunks(work: Path, n_chunks: int, settings: ExpandSettings, decoder: dict, target: str,
+                   target_path: str) -> pd.DataFrame:
+    """The shard's chunks as one table, with the settings, the decoder and the target that made them."""
+    frames = [pd.read_parquet(work / f"chunk_{c:05d}.parquet") for c in range(n_chunks)]
+    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=RECORD_COLUMNS)
+    for key in ("temperature", "top_p", "max_new_tokens", "seed"):
+        df[key] = getattr(settings, key)
+    df["backend"] = decoder["backend"]  # what ran (expand.backend may say auto)
+    df["dtype"] = decoder.get("dtype")
+    df["target"] = target
+    df["target_path"] = str(target_path)
+    return df
 

@@ -35,7 +35,8 @@ from dflashpipe.lease import slot_cache_dirs
 #: the step, its data and exchange, the drafter it runs and the target's FP8 linears (the step receives
 #: the models; it does not import them)
 TRAIN_STEP_MODULES = ["drafter.step", "drafter.data", "drafter.distributed", "drafter.model", "drafter.fp8"]
-TRAIN_LOOP_FILE = "drafter/train.py"
+#: the rank that runs the step (its loop in a file of its own); files alone, not their imports
+TRAIN_LOOP_FILES = ("drafter/train.py", "drafter/loop.py")
 
 
 def seed_slot_cache(cache_root: str | os.PathLike, slot: int) -> int:
@@ -103,7 +104,7 @@ def train_step_code_files() -> list[str]:
     from dflashpipe.codedeps import module_closure
 
     package = Path(__file__).resolve().parent
-    return sorted({*module_closure(package, TRAIN_STEP_MODULES), str(package / TRAIN_LOOP_FILE)})
+    return sorted({*module_closure(package, TRAIN_STEP_MODULES), *(str(package / f) for f in TRAIN_LOOP_FILES)})
 
 
 def fingerprint_parts(compile_config: dict, device: str) -> dict:

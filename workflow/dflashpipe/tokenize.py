@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -139,6 +140,33 @@ def bucket_for(length: int, buckets: list[int]) -> int:
 CUT_REPLIES = ("mask_end", "drop", "cut_loop")  # tokenize.cut_replies (the schema's enum; a test binds them)
 
 
+@dataclass(frozen=True)
+class _Rules:
+    """How a row becomes a training sample (tokenize_expanded's settings, resolved)."""
+
+    buckets: list[int]  # sorted: the largest is the maximum length
+    min_loss_tokens: int  # 2 x drafter.block_size
+    chat_template_kwargs: dict | None
+    cut_replies: str
+    reply_ids: str
+
+    @property
+    def max_length(self) -> int:
+        return self.buckets[-1]
+
+
+@dataclass
+class _Tally:
+    """What happened to the rows: counted as they are tokenized, reported in the stats."""
+
+    dropped: Counter = field(default_factory=Counter)  # by reason
+    truncated: int = 0
+    cut_masked: int = 0  # cut replies kept, their end of turn out of the loss
+    loops_cut: int = 0
+    id_outcomes: Counter = field(default_factory=Counter)  # encode_chat's info["ids"] per tokenized reply
+
+
+# reason: tokenize's keys, one keyword each (the script passes them by name), beside the inputs and outputs
 def tokenize_expanded(
     expanded_paths: dict[str, str],
     target_path: str,
@@ -158,86 +186,98 @@ def tokenize_expanded(
     where the template renders the reply verbatim. ``text`` is the default because it trained the
     better drafter (measured: docs/design.md).
     """
-    import datasets
     from tqdm import tqdm
 
     from dflashpipe.target import load_tokenizer
 
-    buckets = sorted(buckets)
-    max_length = buckets[-1]
+    rules = _Rules(sorted(buckets), 2 * block_size, chat_template_kwargs, cut_replies, reply_ids)
     tokenizer = load_tokenizer(target_path)
-    min_loss_tokens = 2 * block_size
     if cut_replies not in CUT_REPLIES:
         raise UserError(f"tokenize.cut_replies: {cut_replies!r} is not one of {', '.join(CUT_REPLIES)}")
     if reply_ids not in ("text", "generated"):
         raise UserError(f"tokenize.reply_ids: {reply_ids!r} is not one of text, generated")
-    records, dropped, truncated, cut_masked, loops_cut = [], Counter(), 0, 0, 0
-    id_outcomes = Counter()  # encode_chat's info["ids"] per tokenized reply
-    per_dataset = {}
+    records, tally, per_dataset = [], _Tally(), {}
     for name, path in expanded_paths.items():
         df = read_parquet(path)
         kept_before = len(records)
         for row in tqdm(df.itertuples(index=False), total=len(df), desc=f"tokenize {name}", mininterval=5):
-            messages = [dict(t) for t in row.messages]
-            reason = str(getattr(row, "finish_reason", ""))
-            if reason.startswith("skipped_"):  # the expansion could not use the prompt
-                dropped[reason] += 1
-                continue
-            if not messages[-1]["content"].strip():
-                dropped["empty_response"] += 1
-                continue
-            cut = reason == "length"
-            if cut and cut_replies == "drop":
-                dropped["cut_reply"] += 1
-                continue
-            gen = getattr(row, "token_ids", None)  # absent (an older expansion) or null: the text only
-            gen = None if gen is None or isinstance(gen, float) else gen
-            if cut and cut_replies == "cut_loop":
-                reply = list(gen) if gen is not None else tokenizer.encode(messages[-1]["content"],
-                                                                          add_special_tokens=False)
-                loop = loop_start(reply)
-                if loop is not None:  # keep the reply up to its loop's first occurrence
-                    kept = reply[: loop[0] + loop[1]]
-                    messages[-1]["content"] = tokenizer.decode(kept, skip_special_tokens=True)
-                    gen = kept if gen is not None else None  # a reply without generated ids stays without
-                    loops_cut += 1
-            info = {}
-            try:
-                ids, mask, full_len = encode_chat(tokenizer, messages, max_length, chat_template_kwargs, cut=cut,
-                                                  reply_ids=None if gen is None else list(gen), info=info,
-                                                  use_reply_ids=reply_ids == "generated")
-            except ValueError:
-                dropped["cut_reply_not_maskable"] += 1
-                continue
-            id_outcomes[info["ids"]] += 1
-            truncated += full_len > max_length
-            n_loss = sum(mask)
-            if n_loss == 0 and len(ids) == max_length:
-                dropped["prompt_fills_max_length"] += 1
-                continue
-            if n_loss < min_loss_tokens:
-                dropped[f"fewer_than_{min_loss_tokens}_loss_tokens"] += 1
-                continue
-            cut_masked += cut
-            records.append(
-                {
-                    "dataset": name,
-                    "id": str(row.id),
-                    "sample": int(getattr(row, "sample", 0)),
-                    "input_ids": ids,
-                    "loss_mask": mask,
-                    "length": len(ids),
-                    "num_loss_tokens": n_loss,
-                    "bucket": bucket_for(len(ids), buckets),
-                }
-            )
+            record = _sample(row, name, tokenizer, rules, tally)
+            if record is not None:
+                records.append(record)
         per_dataset[name] = {"rows": len(df), "kept": len(records) - kept_before}
     if not records:
         raise UserError(
-            f"tokenize: no sample left after filtering ({dict(dropped)}); every reply needs >= {min_loss_tokens} "
-            f"tokens (2 x drafter.block_size) within tokenize.buckets' largest length {max_length}: "
-            "raise expand.max_new_tokens or the largest bucket, or lower drafter.block_size"
+            f"tokenize: no sample left after filtering ({dict(tally.dropped)}); every reply needs >= "
+            f"{rules.min_loss_tokens} tokens (2 x drafter.block_size) within tokenize.buckets' largest length "
+            f"{rules.max_length}: raise expand.max_new_tokens or the largest bucket, or lower drafter.block_size"
         )
+    _save(records, out_dir)
+    stats = _stats(records, rules, tally, per_dataset, target_path)
+    write_json(stats_path, stats)
+    log(f"tokenized: {stats['samples']} samples, {stats['tokens']} tokens, {stats['loss_tokens']} loss tokens, "
+        f"dropped {dict(tally.dropped)}")
+    return stats
+
+
+def _sample(row, name: str, tokenizer, rules: _Rules, tally: _Tally) -> dict | None:
+    """One expanded row as a training sample, or None (dropped, and counted by reason)."""
+    dropped = tally.dropped
+    messages = [dict(t) for t in row.messages]
+    reason = str(getattr(row, "finish_reason", ""))
+    if reason.startswith("skipped_"):  # the expansion could not use the prompt
+        dropped[reason] += 1
+        return None
+    if not messages[-1]["content"].strip():
+        dropped["empty_response"] += 1
+        return None
+    cut = reason == "length"
+    if cut and rules.cut_replies == "drop":
+        dropped["cut_reply"] += 1
+        return None
+    gen = getattr(row, "token_ids", None)  # absent (an older expansion) or null: the text only
+    gen = None if gen is None or isinstance(gen, float) else gen
+    if cut and rules.cut_replies == "cut_loop":
+        reply = list(gen) if gen is not None else tokenizer.encode(messages[-1]["content"], add_special_tokens=False)
+        loop = loop_start(reply)
+        if loop is not None:  # keep the reply up to its loop's first occurrence
+            kept = reply[: loop[0] + loop[1]]
+            messages[-1]["content"] = tokenizer.decode(kept, skip_special_tokens=True)
+            gen = kept if gen is not None else None  # a reply without generated ids stays without
+            tally.loops_cut += 1
+    info = {}
+    try:
+        ids, mask, full_len = encode_chat(tokenizer, messages, rules.max_length, rules.chat_template_kwargs, cut=cut,
+                                          reply_ids=None if gen is None else list(gen), info=info,
+                                          use_reply_ids=rules.reply_ids == "generated")
+    except ValueError:
+        dropped["cut_reply_not_maskable"] += 1
+        return None
+    tally.id_outcomes[info["ids"]] += 1
+    tally.truncated += full_len > rules.max_length
+    n_loss = sum(mask)
+    if n_loss == 0 and len(ids) == rules.max_length:
+        dropped["prompt_fills_max_length"] += 1
+        return None
+    if n_loss < rules.min_loss_tokens:
+        dropped[f"fewer_than_{rules.min_loss_tokens}_loss_tokens"] += 1
+        return None
+    tally.cut_masked += cut
+    return {
+        "dataset": name,
+        "id": str(row.id),
+        "sample": int(getattr(row, "sample", 0)),
+        "input_ids": ids,
+        "loss_mask": mask,
+        "length": len(ids),
+        "num_loss_tokens": n_loss,
+        "bucket": bucket_for(len(ids), rules.buckets),
+    }
+
+
+def _save(records: list[dict], out_dir: str) -> None:
+    """The samples as one ``datasets`` dataset on disk (atomically)."""
+    import datasets
+
     features = datasets.Features(
         {
             "dataset": datasets.Value("string"),
@@ -253,40 +293,41 @@ def tokenize_expanded(
     ds = datasets.Dataset.from_list(records, features=features)
     with atomic_path(out_dir, is_dir=True) as tmp:
         ds.save_to_disk(str(tmp))
+
+
+def _stats(records: list[dict], rules: _Rules, tally: _Tally, per_dataset: dict, target_path: str) -> dict:
+    dropped, id_outcomes = tally.dropped, tally.id_outcomes
     lengths = [r["length"] for r in records]
-    stats = {
+    return {
         "samples": len(records),
         "tokens": int(sum(lengths)),
         "loss_tokens": int(sum(r["num_loss_tokens"] for r in records)),
         "dropped": dict(dropped),
         "dropped_total": int(sum(dropped.values())),
-        "truncated": int(truncated),
-        "cut_replies": {"rule": cut_replies, "kept_with_end_of_turn_out_of_the_loss": int(cut_masked),
-                        "cut_at_their_loop": int(loops_cut),
+        "truncated": int(tally.truncated),
+        "cut_replies": {"rule": rules.cut_replies, "kept_with_end_of_turn_out_of_the_loss": int(tally.cut_masked),
+                        "cut_at_their_loop": int(tally.loops_cut),
                         "dropped": int(dropped["cut_reply"] + dropped["cut_reply_not_maskable"])},
-        "chat_template_kwargs": dict(chat_template_kwargs or {}),
+        "chat_template_kwargs": dict(rules.chat_template_kwargs or {}),
         "generated_ids": {
             "rule": ("a reply whose re-tokenized text differs from the ids the target generated gets the generated "
                      "ids when the chat template renders the reply verbatim; otherwise the re-tokenized text is kept"
-                     if reply_ids == "generated" else
+                     if rules.reply_ids == "generated" else
                      "the re-tokenized reply text is trained on; replies whose generated ids differ are counted"),
-            "tokenize.reply_ids": reply_ids,
+            "tokenize.reply_ids": rules.reply_ids,
             "replies_with_ids": int(sum(v for k, v in id_outcomes.items() if k != "none")),
             "replies_without_ids": int(id_outcomes["none"]),
             "retokenized_differently": int(id_outcomes["generated"] + id_outcomes["retokenized"]),
             "used_generated_ids": int(id_outcomes["generated"]),
             "kept_retokenized_text": int(id_outcomes["retokenized"]),
         },
-        "min_loss_tokens": min_loss_tokens,
-        "max_length": max_length,
-        "buckets": {str(b): sum(r["bucket"] == b for r in records) for b in buckets},
+        "min_loss_tokens": rules.min_loss_tokens,
+        "max_length": rules.max_length,
+        "buckets": {str(b): sum(r["bucket"] == b for r in records) for b in rules.buckets},
         "per_dataset": per_dataset,
         "mean_length": sum(lengths) / len(lengths),
         "target_path": str(target_path),
     }
-    write_json(stats_path, stats)
-    log(f"tokenized: {stats['samples']} samples, {stats['tokens']} tokens, {stats['loss_tokens']} loss tokens, dropped {dict(dropped)}")
-    return stats
 
 
 def load_tokenized(path: str):

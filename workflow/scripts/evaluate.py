@@ -1,5 +1,6 @@
 from dflashpipe.config import settings
-from dflashpipe.evaluate.run import EvalSettings, evaluate_dataset
+from dflashpipe.evaluate.run import evaluate_dataset
+from dflashpipe.evaluate.settings import EvalRun, EvalSettings
 from dflashpipe.lease import lease_for_job, use_leased_slot_cache
 from dflashpipe.runtime import job
 
@@ -8,14 +9,14 @@ with job(snakemake.log[0], threads=snakemake.threads, name=f"evaluate {snakemake
     lease = lease_for_job(snakemake.config)
     log(f"leased slot {lease.slot}: device {lease.device}")
     use_leased_slot_cache(snakemake.config, lease, log)
-    evaluate_dataset(
-        snakemake.params.target,
-        snakemake.input.drafter,
-        snakemake.input.prompts,
-        snakemake.output.samples,
-        snakemake.output.summary,
+    run = EvalRun(
         settings(EvalSettings, p.cfg, seed=p.seed, chat_template_kwargs=p.chat_template_kwargs),
+        target_dir=p.target,
+        drafter_dir=snakemake.input.drafter,
+        prompts_parquet=snakemake.input.prompts,
+        samples_out=snakemake.output.samples,
+        summary_out=snakemake.output.summary,
         ar_draft_dir=snakemake.input.ar_draft[0] if snakemake.input.ar_draft else None,
         device=lease.device,
-        log=log,
     )
+    evaluate_dataset(run, log=log)

@@ -91,6 +91,7 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 class SlotDecoder:
     """Greedy or sampled decoding of many prompts through ``slots`` rows of a static KV cache."""
 
+    # reason: each keyword is one decoding option, defaulted (benchmarks vary them)
     def __init__(self, model, slots: int, capacity: int, cuda_graphs: bool | None = None, prefill_tokens: int = 8192,
                  attention: str = "auto", kv_block: int = 128, compile: bool = False, fused: bool = True):
         why = unsupported_reason(model)
@@ -190,6 +191,7 @@ class SlotDecoder:
             x = self._layer_fn(layer, x, cos, sin, rows, pos, self.k[i], self.v[i], mask)
         return self.model.get_output_embeddings()(self.inner.norm(x))[:, 0].to(self.score_dtype)  # [n, V]
 
+    # reason: the hot per-layer step: its tensors passed as they are, no wrapper
     def _layer(self, layer, x, cos, sin, rows, pos, keys, values, mask):
         """One decoder layer for the step's rows: writes their K/V at their positions, attends, returns x."""
         n = x.shape[0]
@@ -259,6 +261,7 @@ class SlotDecoder:
         probs = torch.softmax(logits / temperature, dim=-1)
         return torch.multinomial(top_p_filter(probs, top_p), 1, generator=gen)[:, 0]
 
+    # reason: one scheduling loop over slots; cut, it would pass its state around
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], end_ids, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, progress=lambda prompts, tokens: None) -> list[tuple[list[int], str]]:

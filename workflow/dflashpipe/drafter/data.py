@@ -72,6 +72,20 @@ def rank_slice(global_idx: np.ndarray, rank: int, world_size: int) -> np.ndarray
     return global_idx[rank * per_rank : (rank + 1) * per_rank]
 
 
+@dataclass(frozen=True)
+class RunData:
+    """The tokenized data of a run as its ranks read it: the rows, their length buckets, the held-out split,
+    and the step count they give."""
+
+    ds: object  # the tokenized dataset (dflashpipe.tokenize.load_tokenized)
+    buckets: np.ndarray  # per sample: its length bucket
+    train_idx: np.ndarray
+    heldout_idx: np.ndarray
+    pad_id: int
+    steps_per_epoch: int
+    total_steps: int
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [B, S] long, right-padded to the bucket length
@@ -82,11 +96,12 @@ class Batch:
     index: tuple[int, ...] | None = None  # the rows' dataset indices (None: not known, e.g. padded rows)
 
 
-def make_batch(rows: dict, seq_len: int, seeds: list[int], pad_id: int, num_anchors: int, block_size: int,
-               device: torch.device, pad_rows_to: int = 0, index=None) -> Batch:
+def make_batch(rows: dict, seq_len: int, seeds: list[int], pad_id: int, cfg, device: torch.device,
+               pad_rows_to: int = 0, index=None) -> Batch:
     """Collate tokenized rows (dict of columns) into a padded batch with per-sample anchors.
 
-    Sample i's anchors come from its own generator seeded with ``seeds[i]``;
+    ``cfg``: the run's :class:`~dflashpipe.drafter.train.TrainConfig` (``num_anchors`` per sample, of
+    blocks of ``block_size``). Sample i's anchors come from its own generator seeded with ``seeds[i]``;
     ``pad_rows_to`` appends empty rows (no loss) for a fixed batch shape. ``index``: the rows' dataset
     indices (what :class:`~dflashpipe.drafter.features.TargetCache` keys the target's outputs by).
     """
@@ -101,7 +116,7 @@ def make_batch(rows: dict, seq_len: int, seeds: list[int], pad_id: int, num_anch
     anchors, keep = [], []
     for i in range(B):
         g = torch.Generator().manual_seed(seeds[i] if i < n else 0)
-        a, k = sample_anchors(lm[i : i + 1], num_anchors, block_size, g)
+        a, k = sample_anchors(lm[i : i + 1], cfg.num_anchors, cfg.block_size, g)
         anchors.append(a)
         keep.append(k)
     num_tokens = int(sum(min(len(x), seq_len) for x in rows["input_ids"]))

@@ -18,40 +18,40 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .data import HELDOUT_SALT, make_batch, sample_seed
+from .data import HELDOUT_SALT, RunData, make_batch, sample_seed
 from .distributed import all_reduce_
 from .masks import build_block_inputs
 from .step import Setup, forward_loss
 
 
 @torch.no_grad()
-def heldout_figures(drafter, target, ds, heldout_idx: np.ndarray, buckets: np.ndarray, setup: Setup, seed: int,
-                    pad_id: int, rank: int, world_size: int) -> dict:
+def heldout_figures(drafter, target, data: RunData, setup: Setup, rank: int) -> dict:
     """Held-out ``loss`` and weighted ``acc`` (the training loss weights, FIXED anchors: comparable across
     evaluations), ``acc_by_position`` (top-1
     accuracy of the proposals at block positions 1..bs-1), ``accept_by_position`` and ``sim_tau``
     (module docstring); None where there is nothing to measure.
 
-    Each rank takes every world_size-th held-out sample; sums are all-reduced.
+    Each rank takes every K-th held-out sample (K ranks); sums are all-reduced.
     Batches have one rank's training shape [rank_batch, bucket] (padded with empty
     rows), so no new graph is compiled for them. The proposals reuse the forward's
     output (a hook on the drafter): one more LM-head pass, no more forwards.
     """
     was_training = drafter.training
     drafter.eval()
-    D = setup.block_size - 1 + setup.label_shift  # proposals per block
+    cfg, buckets = setup.cfg, data.buckets
+    D = cfg.block_size - 1 + setup.label_shift  # proposals per block
     sums = torch.zeros(4 + 4 * D + 2, dtype=torch.float32, device=setup.device)
     seen = {}
     hook = drafter.register_forward_hook(lambda _m, _a, out: seen.__setitem__("hidden", out))
     try:
-        mine = heldout_idx[rank::world_size]
+        mine = data.heldout_idx[rank :: setup.world_size]
         for b in sorted(set(buckets[mine].tolist())):
             members = mine[buckets[mine] == b]
             for s in range(0, len(members), setup.rank_batch):
                 idx = members[s : s + setup.rank_batch]
-                seeds = [sample_seed(seed, HELDOUT_SALT, int(i)) for i in idx]  # fixed per sample
-                batch = make_batch(ds[idx.tolist()], int(b), seeds, pad_id, setup.num_anchors, setup.block_size,
-                                   setup.device, pad_rows_to=setup.rank_batch, index=idx)
+                seeds = [sample_seed(cfg.seed, HELDOUT_SALT, int(i)) for i in idx]  # fixed per sample
+                batch = make_batch(data.ds[idx.tolist()], int(b), seeds, data.pad_id, cfg, setup.device,
+                                   pad_rows_to=setup.rank_batch, index=idx)
                 sums[:4] += torch.stack(forward_loss(drafter, target, batch, setup)).float()
                 sums[4:] += acceptance_sums(drafter, seen.pop("hidden"), target, batch, setup)
     finally:
@@ -90,10 +90,10 @@ def proposals(drafter, hidden: torch.Tensor, block_ids: torch.Tensor, lm_head: t
 
 def acceptance_sums(drafter, hidden, target, batch, setup: Setup) -> torch.Tensor:
     """Per-position sums [correct, valid, accepted, reached] x proposals per block, then [sum of block taus, blocks]."""
-    bs, first = setup.block_size, 1 - setup.label_shift  # the first block position that proposes
+    bs, first = setup.cfg.block_size, 1 - setup.label_shift  # the first block position that proposes
     block_ids, labels, weights = build_block_inputs(batch.input_ids, batch.loss_mask, batch.anchors, batch.keep, bs,
                                                     setup.mask_token_id, setup.gamma, setup.label_shift)
-    pred = proposals(drafter, hidden, block_ids, target.get_output_embeddings().weight, bs, setup.loss_chunk_size)
+    pred = proposals(drafter, hidden, block_ids, target.get_output_embeddings().weight, bs, setup.cfg.loss_chunk_size)
     valid = (weights > 0).view(-1, bs)[:, first:]
     correct = (pred == labels).view(-1, bs)[:, first:] & valid
     miss = valid & ~correct

@@ -37,13 +37,17 @@ import signal
 import subprocess
 import sys
 import uuid
-from dataclasses import asdict
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflashpipe.checkout import ENV as CODE_ENV
 from dflashpipe.checkout import planned_code
 from dflashpipe.errors import UserError
 from dflashpipe.runtime import CONSOLE_ENV, console_fd
+
+if TYPE_CHECKING:
+    from .train import TrainRun
 
 #: the pid of the process that started a rank (its elastic agent): the rank dies with it
 LAUNCHER_ENV = "DFLASH_LAUNCHER_PID"
@@ -121,15 +125,28 @@ def _environ(**values: str | None):
         _set_environ(old)
 
 
-def launch(command: list[str], rank_logs: list[str], log=print, *, nodes: int = 1, node: int = 0,
-           master: str | None = None, run_id: str | None = None, timeout_s: float = 600,
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where and how this node's agent meets the other nodes' (torch's static rendezvous)."""
+
+    nodes: int = 1
+    node: int = 0  # this node's place among them
+    master: str | None = None  # the first node's ``address:port`` (several nodes); None: this machine's loopback
+    run_id: str | None = None  # one launch (None: a fresh one)
+    timeout_s: float = 600
+
+    @classmethod
+    def of(cls, run: TrainRun, node: int = 0) -> Rendezvous:
+        return cls(run.nodes, node, run.master, run.run_id, run.cfg.dist_timeout_s)
+
+
+def launch(command: list[str], rank_logs: list[str], log=print, *, meet: Rendezvous = Rendezvous(),
            visible_devices: str | None = None, console: str | None = None, poll_s: float = 0.2) -> None:
     """Start this node's ranks of a run with torch's elastic agent; return when all exit 0, else raise one line.
 
-    ``rank_logs`` holds every rank's log (``nodes x`` this node's ranks); each rank writes its own
+    ``rank_logs`` holds every rank's log (``meet.nodes x`` this node's ranks); each rank writes its own
     (:func:`rank_main`). ``command`` runs once per rank (``command[0]`` the program); the ranks find
     their place in ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``.
-    ``master``: the first node's ``address:port`` (several nodes); one node meets on this machine's loopback.
     ``visible_devices``: the ranks' ``CUDA_VISIBLE_DEVICES`` (local rank k takes its k-th entry).
     ``console``: where rank 0 shows its progress (a path the ranks can open).
     """
@@ -137,16 +154,16 @@ def launch(command: list[str], rank_logs: list[str], log=print, *, nodes: int = 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    per_node = len(rank_logs) // nodes
-    first = node * per_node
+    per_node = len(rank_logs) // meet.nodes
+    first = meet.node * per_node
     starts = _log_sizes(rank_logs)
     # node k's agent joins torch's static rendezvous as group k: the first node's agent holds the store at
     # ``master``; one node holds it on this machine's loopback (no hostname to resolve: a cluster node's
     # own name may not resolve; 0.2 s sooner to start than torchrun --standalone's c10d rendezvous)
     config = LaunchConfig(
-        min_nodes=nodes, max_nodes=nodes, nproc_per_node=per_node, run_id=run_id or uuid.uuid4().hex[:12],
-        role="rank", rdzv_backend="static", rdzv_endpoint=master or f"127.0.0.1:{_free_port()}",
-        rdzv_configs={"rank": node, "timeout": int(timeout_s)}, max_restarts=0, monitor_interval=poll_s,
+        min_nodes=meet.nodes, max_nodes=meet.nodes, nproc_per_node=per_node, run_id=meet.run_id or uuid.uuid4().hex[:12],
+        role="rank", rdzv_backend="static", rdzv_endpoint=meet.master or f"127.0.0.1:{_free_port()}",
+        rdzv_configs={"rank": meet.node, "timeout": int(meet.timeout_s)}, max_restarts=0, monitor_interval=poll_s,
         logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
     )
     # the ranks run the library of the checkout that planned the job (pinned by the Snakefile), else this
@@ -216,19 +233,19 @@ def allocation(nodes: int) -> tuple[list[str], str]:
 _SRUN_ERROR = re.compile(r"srun: error: (\S+): task (\d+): (.+)")
 
 
-def run_nodes(spec_path: str, spec: dict, log=print) -> None:
+def run_nodes(spec_path: str, run: TrainRun, log=print) -> None:
     """The ranks of every node: one node launcher per node started with srun; one line if any fails.
 
     srun stops every node when one node's launcher exits non-zero (``--kill-on-bad-exit``). The line
     names, in this order: a node whose launcher died by a signal (the first srun reports: the node was
     lost), else the first rank with an ERROR line (this attempt's part of its log), else the first
     node launcher's ERROR line (which names its failed rank and exit code)."""
-    nodes, per_node = spec["nodes"], spec["shards"]
-    rank_logs, node_logs, hosts = spec["rank_logs"], spec["node_logs"], spec["hosts"]
+    nodes, per_node = run.nodes, run.shards
+    rank_logs, node_logs, hosts = run.rank_logs, run.node_logs, run.hosts
     rank_starts, node_starts = _log_sizes(rank_logs), _log_sizes(node_logs)
     cmd = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-           f"--cpus-per-task={per_node * spec['threads']}", sys.executable, "-m", MODULE, "node", spec_path]
-    log(f"{nodes} nodes x {per_node} rank(s): {' '.join(hosts)}; rendezvous at {spec['master']}")
+           f"--cpus-per-task={per_node * run.threads}", sys.executable, "-m", MODULE, "node", spec_path]
+    log(f"{nodes} nodes x {per_node} rank(s): {' '.join(hosts)}; rendezvous at {run.master}")
     # the job's own SLURM variables would narrow the step to this one task; srun dies with the job (SIGTERM:
     # it then stops every node's launcher)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SRUN_")) or k in ("SLURM_JOB_ID", "SLURM_CONF")}
@@ -277,99 +294,102 @@ def _die_with_parent(sig: int):
     return lambda: prctl(1, sig)  # PR_SET_PDEATHSIG
 
 
-def run_training(*, nodes: int, shards: int, threads_per_rank: int, cfg, tokenized: str, target: str, run_dir: str,
-                 cache_root: str, stamps: list[str], gpu_config: dict, rank_logs: list[str], node_logs: list[str],
-                 metrics_csv: str, summary_json: str, final_state: str, log=print) -> dict:
-    """One training run of ``nodes x shards`` ranks: launch them, then mark the run complete.
+def run_training(run: TrainRun, gpu_config: dict, log=print) -> dict:
+    """One training run of ``run.nodes x run.shards`` ranks: launch them, then mark the run complete.
 
-    ``cfg`` is the run's :class:`~dflashpipe.drafter.train.TrainConfig`, sent to the ranks in a
-    JSON file under ``run_dir`` (which every node reads); ``gpu_config`` the config's ``gpu``
-    section plus ``results`` (for the leases); ``node_logs``: the node launchers' logs (several nodes).
+    ``run`` is sent to the ranks as ONE JSON file under ``run.run_dir`` (which every node reads);
+    ``gpu_config``: the config's ``gpu`` section plus ``results`` (for the leases).
     """
-    from dflashpipe.lease import lease_for_job
     from dflashpipe.tracking import check_available
 
-    from .checkpoint import checkpoint_dir, mark_complete, republish, run_identity
+    from .checkpoint import mark_complete, republish
 
-    check_available(cfg.tensorboard, cfg.wandb)  # a tracker asked for but not installed: one line before any lease
-    identity = run_identity(cfg, tokenized, target)  # once: every rank keys the same run
-    ckpt = checkpoint_dir(run_dir, identity)
-    finished = republish(ckpt, identity, metrics_csv, summary_json, final_state, log)
+    check_available(run.cfg.tensorboard, run.cfg.wandb)  # a tracker asked for but not installed: one line before any lease
+    run = run.identified()  # once: every rank keys the same run
+    ckpt = run.ckpt_dir
+    finished = republish(ckpt, run.identity, run.metrics_csv, run.summary_json, run.final_state, log)
     if finished is not None:  # a finished run of this identity (a comment edit, an x-compile key): trains no step
         return finished
-    hosts, master = allocation(nodes) if nodes > 1 else ([], None)
-    run_id = uuid.uuid4().hex[:12]  # one launch: a killed launch's files are never reused
-    spec = {
-        "nodes": nodes, "shards": shards, "threads": threads_per_rank, "cfg": asdict(cfg), "tokenized": tokenized,
-        "target": target, "identity": identity, "ckpt_dir": str(ckpt), "cache_root": cache_root, "stamps": stamps,
-        "rank_logs": rank_logs, "node_logs": node_logs, "metrics_csv": metrics_csv, "summary_json": summary_json, "final_state": final_state,
-        "hosts": hosts, "master": master, "run_id": run_id,
-    }
-    spec_path = Path(run_dir) / "launch" / f"{run_id}.json"
+    hosts, master = allocation(run.nodes) if run.nodes > 1 else ([], None)
+    # one launch: a killed launch's files are never reused
+    run = replace(run, hosts=tuple(hosts), master=master, run_id=uuid.uuid4().hex[:12])
+    spec_path = Path(run.run_dir) / "launch" / f"{run.run_id}.json"
     spec_path.parent.mkdir(parents=True, exist_ok=True)
-    spec_path.write_text(json.dumps(spec))
-    log(f"run {ckpt.name}: {nodes} node(s) x {shards} rank(s) x {threads_per_rank} thread(s); checkpoints in {ckpt}")
-    # every slot of this machine is leased before any rank starts (another GPU job may hold one for a while);
-    # under SLURM the allocation is the lease
+    spec_path.write_text(run.to_json())
+    log(f"run {ckpt.name}: {run.nodes} node(s) x {run.shards} rank(s) x {run.threads} thread(s); checkpoints in {ckpt}")
+    try:
+        with _leased_slots(gpu_config, run.shards, log) as visible:
+            if run.nodes > 1:
+                run_nodes(str(spec_path), run, log)
+            else:
+                console = console_fd()  # rank 0 shows its progress bar on the job's console
+                launch([sys.executable, "-m", MODULE, "rank", str(spec_path)], list(run.rank_logs), log,
+                       meet=Rendezvous.of(run), visible_devices=",".join(visible) if all(visible) else None,
+                       console=f"/proc/{os.getpid()}/fd/{console}" if console is not None else None)
+    finally:
+        spec_path.unlink(missing_ok=True)
+    summary = json.loads(Path(run.summary_json).read_text())
+    mark_complete(ckpt, run.summary_json, run.final_state)
+    return summary
+
+
+@contextlib.contextmanager
+def _leased_slots(gpu_config: dict, shards: int, log):
+    """Slots 0..shards-1 of this machine, every one leased before any rank starts (another GPU job may
+    hold one for a while; under SLURM the allocation is the lease); yields their CUDA_VISIBLE_DEVICES."""
+    from dflashpipe.lease import lease_for_job
+
     leases = []
     try:
         for r in range(shards):
             leases.append(lease_for_job(gpu_config, slot=r, gpus=shards, set_env=False))
         visible = [lease.visible_devices for lease in leases]
         log(f"leased slots 0..{shards - 1}: {[v or lease.device for v, lease in zip(visible, leases)]}")
-        if nodes > 1:
-            run_nodes(str(spec_path), spec, log)
-        else:
-            console = console_fd()  # rank 0 shows its progress bar on the job's console
-            launch([sys.executable, "-m", MODULE, "rank", str(spec_path)], rank_logs, log, run_id=run_id,
-                   timeout_s=cfg.dist_timeout_s, visible_devices=",".join(visible) if all(visible) else None,
-                   console=f"/proc/{os.getpid()}/fd/{console}" if console is not None else None)
+        yield visible
     finally:
         for lease in leases:
             lease.release()
-        spec_path.unlink(missing_ok=True)
-    summary = json.loads(Path(summary_json).read_text())
-    mark_complete(ckpt, summary_json, final_state)
-    return summary
 
 
 def node_main(spec_path: str) -> None:
     """One node's launcher (started by srun on every node of the allocation): this node's ranks."""
     from dflashpipe.runtime import job
 
-    spec = json.loads(Path(spec_path).read_text())
+    from .train import TrainRun
+
+    run = TrainRun.from_json(Path(spec_path).read_text())
     node = int(os.environ["SLURM_NODEID"])
-    with job(spec["node_logs"][node], threads=1, name=f"train node {node}/{spec['nodes']}") as log:
+    with job(run.node_logs[node], threads=1, name=f"train node {node}/{run.nodes}") as log:
         log(f"node {node} ({os.uname().nodename}): launcher pid {os.getpid()}")
-        launch([sys.executable, "-m", MODULE, "rank", spec_path], spec["rank_logs"], log, nodes=spec["nodes"],
-               node=node, master=spec["master"], run_id=spec["run_id"], timeout_s=spec["cfg"]["dist_timeout_s"])
+        launch([sys.executable, "-m", MODULE, "rank", spec_path], list(run.rank_logs), log,
+               meet=Rendezvous.of(run, node))
 
 
 def rank_main(spec_path: str) -> None:
     """One rank process (started by a node's elastic agent): its GPU, its slot's warm cache, train."""
     die_with_launcher()
-    spec = json.loads(Path(spec_path).read_text())
-    rank, local, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    _output_to(spec["rank_logs"][rank])  # everything from here on, crashes of the imports below included
+    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    with open(spec_path) as f:  # before the imports: the log is this rank's from here on
+        rank_logs = json.load(f)["rank_logs"]
+    _output_to(rank_logs[rank])  # everything from here on, crashes of the imports below included
 
     from dflashpipe.hotstart import hot_start
     from dflashpipe.lease import allocation_device, use_slot_cache
     from dflashpipe.runtime import job
 
-    from .train import TrainConfig, train_rank
+    from .train import TrainRun, train_rank
 
+    run = TrainRun.from_json(Path(spec_path).read_text())
+    if int(os.environ["WORLD_SIZE"]) != run.world_size:
+        raise UserError(f"train rank {rank}: WORLD_SIZE {os.environ['WORLD_SIZE']} is not the run's {run.world_size}")
     if rank != 0:
         os.environ.pop(CONSOLE_ENV, None)  # only rank 0 shows its progress on the job's console
-    with job(spec["rank_logs"][rank], threads=spec["threads"], name=f"train rank {rank}/{world}") as log:
+    with job(run.rank_logs[rank], threads=run.threads, name=f"train rank {rank}/{run.world_size}") as log:
         device = allocation_device(local)  # the local rank's GPU of those the node's launcher was given
-        log(f"rank {rank} = node {rank // spec['shards']} on {os.uname().nodename}, slot {local}: device "
+        log(f"rank {rank} = node {rank // run.shards} on {os.uname().nodename}, slot {local}: device "
             f"{device.device} (CUDA_VISIBLE_DEVICES={device.visible_devices})")
-        use_slot_cache(spec["cache_root"], local)
-        train_rank(
-            TrainConfig(**spec["cfg"]), spec["tokenized"], spec["target"], spec["ckpt_dir"], rank, world, "env://",
-            device.device, spec["metrics_csv"], spec["summary_json"], final_state=spec["final_state"], log=log,
-            hot_start=hot_start(spec["stamps"][local], device.device), identity=spec["identity"],
-        )
+        use_slot_cache(run.cache_root, local)
+        train_rank(run, rank, device.device, log=log, hot_start=hot_start(run.stamps[local], device.device))
 
 
 if __name__ == "__main__":

@@ -337,6 +337,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         return gh, gw, ge, gw2, None, None
 
 
+# reason: each keyword is one loss option of the recipes, defaulted for callers
 def block_loss(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
@@ -351,7 +352,7 @@ def block_loss(
     collect: dict | None = None,
     markov: tuple[torch.Tensor, torch.Tensor] | None = None,
     teacher_rows: torch.Tensor | None = None,
-):  # reason for 13 parameters: the objective's optional inputs, each None unless a recipe needs it
+):
     """Weighted loss and weighted top-1 accuracy of the drafter's predictions.
 
     hidden [B, Q, H] (final-normed drafter output), lm_head_weight [V, H] (the

@@ -33,31 +33,29 @@ from .model import resolve_layer_types
 
 @dataclass
 class Setup:
-    """Everything a step needs besides the models: resolved from TrainConfig + target + device + K.
+    """What a step needs besides the models and the run's plain settings: DERIVED from the config
+    (``cfg``, the run's :class:`~dflashpipe.drafter.train.TrainConfig`, which the step reads its plain
+    keys from: ``setup.cfg.grad_clip``), the target, the device and K.
 
     How the step's hot functions run is part of it: ``target_layer`` and ``chunk_ce``
     (compiled with ``compile: layers`` on the flex path, eager otherwise); the drafter
     carries its own mode (:func:`apply_compile_mode`). Process-wide settings are made in :func:`apply_compile_mode` only.
     """
 
+    cfg: object  # the run's TrainConfig: the keys read as they are (block_size, num_anchors, grad_clip, ...)
     device: torch.device
     attention: str  # "flex" | "sdpa"
     compile: str  # "layers" | "flex" | "none" (always "none" on the SDPA path: nothing compiles)
     autocast_dtype: torch.dtype | None  # bf16 on CUDA (fp32 master weights), None: plain fp32
     target_dtype: torch.dtype
-    block_size: int
     label_shift: int  # DrafterConfig.label_shift: DSpark's slots predict one token further (every slot drafts)
-    num_anchors: int
     mask_token_id: int
     layer_ids: list[int]
     gamma: float
-    loss_chunk_size: int
-    grad_clip: float
     rank_batch: int  # sequences per rank per step: train.batch_size / K
+    world_size: int  # K: the run's ranks
     objective: Objective = Objective()  # what each block position's loss is (train.loss, DFlash 2's logit transform)
-    position_weights: str = "decay"  # train.position_weights: the fixed exp decay, or D-PACE
-    selector_weight: float = 0.0  # DFlash 2's candidate-selector loss, relative to the token loss
-    activation_memory_budget: float = 1.0  # of the compiled graphs (1: save what the backward reads)
+    selector_weight: float = 0.0  # DFlash 2's candidate-selector loss, relative to the token loss (0: other archs)
     windows: dict = field(default_factory=lambda: {"full_attention": None})  # layer type -> sliding window
     target_layer: Callable | None = field(default=None, repr=False)  # None: eager target layers
     target_cache: TargetCache | None = field(default=None, repr=False)  # train.cache_target_features
@@ -88,24 +86,20 @@ def resolve_setup(cfg, device: str, mask_token_id: int, layer_ids: list[int], wo
                           cap=float(cap) if cap else None, accept=dspark)
     layer_types = resolve_layer_types(cfg.num_layers, cfg.sliding_window, cfg.layer_types)
     return Setup(
+        cfg=cfg,
         device=dev,
         attention=attention,
         compile=compile_mode,
         autocast_dtype=torch.bfloat16 if bf16 else None,
         target_dtype=torch.bfloat16 if bf16 else torch.float32,
-        block_size=cfg.block_size,
         label_shift=int(dspark),
-        num_anchors=cfg.num_anchors,
         mask_token_id=int(mask_token_id),
         layer_ids=list(layer_ids),
         gamma=default_gamma(cfg.block_size, int(dspark)),
-        loss_chunk_size=cfg.loss_chunk_size,
-        grad_clip=cfg.grad_clip,
         rank_batch=cfg.batch_size // world_size,
+        world_size=world_size,
         objective=objective,
-        position_weights=cfg.position_weights,
         selector_weight=cfg.selector_weight if dflash2 else 0.0,
-        activation_memory_budget=cfg.activation_memory_budget,
         windows={t: (cfg.sliding_window if t == "sliding_attention" else None) for t in layer_types},
         target_layer=compiled_target_layer() if layers else None,  # torch.compile is lazy: nothing compiles here
         chunk_ce=compiled_chunk_ce() if layers else EAGER_CE,
@@ -153,7 +147,7 @@ def apply_compile_mode(setup: Setup, drafter) -> None:
     if setup.compile != "none":  # read when AOTAutograd partitions a graph (and part of its cache key)
         from torch._functorch import config as functorch_config
 
-        functorch_config.activation_memory_budget = setup.activation_memory_budget
+        functorch_config.activation_memory_budget = setup.cfg.activation_memory_budget
 
 
 def lr_at(step: int, total_steps: int, cfg) -> float:
@@ -175,7 +169,7 @@ def attention_masks(batch, setup: Setup, S: int):
     """The training attention mask(s): one per distinct layer type (a dict when layers differ)."""
     build = block_mask if setup.attention == "flex" else dense_mask
     kw = {"device": setup.device} if setup.attention == "flex" else {}
-    masks = {t: build(batch.anchors, batch.keep, S, setup.block_size, window=w, **kw) for t, w in setup.windows.items()}
+    masks = {t: build(batch.anchors, batch.keep, S, setup.cfg.block_size, window=w, **kw) for t, w in setup.windows.items()}
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
@@ -221,7 +215,7 @@ def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
     ``mark(phase)`` is called after the target forward and after the drafter
     forward + loss (the benchmark times phases with it; a no-op otherwise).
     """
-    S, bs = batch.input_ids.shape[1], setup.block_size
+    S, bs = batch.input_ids.shape[1], setup.cfg.block_size
     obj = setup.objective
     drafter = getattr(model, "module", model)
     selector = getattr(drafter, "candidate_selector", None) if setup.selector_weight > 0 else None
@@ -247,11 +241,11 @@ def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
     with autocast:
         hidden = model(block_embeds, target_hidden, position_ids, attn)
     lm_head = target.get_output_embeddings().weight
-    reweight = _dpace_reweight(weights, bs) if setup.position_weights == "dpace" else None
+    reweight = _dpace_reweight(weights, bs) if setup.cfg.position_weights == "dpace" else None
     # what the LM head's chunks give on the way: DFlash 2's candidates, DSpark's acceptance per row
     found = {"top_k": selector.top_k} if selector is not None else ({} if obj.accept else None)
     previous_embeds = markov.markov_w1(previous) if markov is not None else None  # DSpark: teacher-forced
-    loss_sum, correct, loss_weight = block_loss(hidden, lm_head, labels, weights, setup.loss_chunk_size,
+    loss_sum, correct, loss_weight = block_loss(hidden, lm_head, labels, weights, setup.cfg.loss_chunk_size,
                                                 reduction="sum", ce=setup.chunk_ce, objective=obj,
                                                 teacher_hidden=teacher, teacher_rows=rows, reweight=reweight,
                                                 collect=found,
@@ -262,7 +256,7 @@ def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
     if selector is not None:
         chosen = found.get("teacher_argmax", labels)  # the target's own greedy token, with a teacher
         loss_sum = loss_sum + setup.selector_weight * selector_loss(
-            selector, hidden, lm_head, previous, chosen, weights, obj, setup.loss_chunk_size,
+            selector, hidden, lm_head, previous, chosen, weights, obj, setup.cfg.loss_chunk_size,
             found=found)
     mark("drafter_forward")
     return loss_sum, correct, loss_weight, weights.sum()
@@ -291,8 +285,8 @@ def train_step(model, target, opt, batch, lr: float, setup: Setup, mark=_no_mark
     world_size = torch.distributed.get_world_size()
     (loss_sum * world_size / w_global).backward()  # DDP averages over the K ranks
     mark("backward")
-    if setup.grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, setup.grad_clip)
+    if setup.cfg.grad_clip > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, setup.cfg.grad_clip)
     else:
         grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
     opt.step()
@@ -301,7 +295,7 @@ def train_step(model, target, opt, batch, lr: float, setup: Setup, mark=_no_mark
     return {"loss": loss, "acc": acc, "grad_norm": gn, "weight": stats[3].item(), "tokens": int(stats[4].item())}
 
 
-def prime_buckets(model, target, ds, buckets: np.ndarray, setup: Setup, seed: int, pad_id: int, log=print) -> dict:
+def prime_buckets(model, target, ds, buckets: np.ndarray, setup: Setup, pad_id: int, log=print) -> dict:
     """Run every graph a shard will run, once per length bucket, without changing any weight.
 
     Per bucket: the training forward+backward (flex_attention's backward is
@@ -322,9 +316,8 @@ def prime_buckets(model, target, ds, buckets: np.ndarray, setup: Setup, seed: in
     for b in sorted(set(buckets.tolist())):
         t0 = time.time()
         idx = np.flatnonzero(buckets == b)[: setup.rank_batch]
-        seeds = [sample_seed(seed, PRIME_SALT, int(i)) for i in idx]
-        batch = make_batch(ds[idx.tolist()], int(b), seeds, pad_id, setup.num_anchors, setup.block_size, setup.device,
-                           pad_rows_to=setup.rank_batch)
+        seeds = [sample_seed(setup.cfg.seed, PRIME_SALT, int(i)) for i in idx]
+        batch = make_batch(ds[idx.tolist()], int(b), seeds, pad_id, setup.cfg, setup.device, pad_rows_to=setup.rank_batch)
         with no_sync():
             loss_sum, _, loss_w, _ = forward_loss(model, target, batch, setup)
             (loss_sum / loss_w.clamp(min=1e-6)).backward()
@@ -345,13 +338,13 @@ def compile_signature(setup: Setup, drafter_config: dict, buckets: np.ndarray) -
     return {
         "drafter": drafter_config,
         "rank_batch": setup.rank_batch,
-        "num_anchors": setup.num_anchors,
-        "loss_chunk_size": setup.loss_chunk_size,
+        "num_anchors": setup.cfg.num_anchors,
+        "loss_chunk_size": setup.cfg.loss_chunk_size,
         "attention": setup.attention,
         "compile": setup.compile,
-        "activation_memory_budget": setup.activation_memory_budget if setup.compile != "none" else None,
+        "activation_memory_budget": setup.cfg.activation_memory_budget if setup.compile != "none" else None,
         "objective": [setup.objective.loss, setup.objective.tv_weight, setup.objective.multiplier, setup.objective.cap],
-        "position_weights": setup.position_weights,
+        "position_weights": setup.cfg.position_weights,
         "selector_weight": setup.selector_weight,
         "compiled_flex": setup.attention == "flex" and setup.compile != "none",
         "dtype": "bf16" if setup.autocast_dtype else "fp32",

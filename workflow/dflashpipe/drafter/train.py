@@ -1,14 +1,17 @@
-"""Train a DFlash drafter: one rank of a data-parallel run, read top to bottom.
+"""Train a DFlash drafter: one rank of a data-parallel run.
 
-A run with K ranks is K processes (started together by :mod:`.launch`, one
-GPU each, on one node or several) that call :func:`train_rank` with ranks 0..K-1 and meet
+A run is one :class:`TrainRun` (settings, inputs, outputs, identity, world). A run with K ranks
+(``world_size``) is K processes (started together by :mod:`.launch`, one GPU each, on one node or
+several) that call :func:`train_rank` with the run and ranks 0..K-1 and meet
 through a rendezvous (torch.distributed; NCCL on GPU, gloo on CPU; also for K=1,
 one code path). ``train.batch_size`` is the GLOBAL batch of a step: rank r
 trains on its ``batch_size / K`` slice of it, so 1, 2 or 8 GPUs train the same
 drafter (same samples per step, same order, same anchors; :mod:`.data`), only
 sooner. Gradients are exchanged by DDP and the AdamW state is sharded (ZeRO-1;
-:mod:`.distributed`); the step itself is in :mod:`.step`, checkpoints and the
-metrics history in :mod:`.checkpoint`, the held-out figures in :mod:`.heldout`.
+:mod:`.distributed`); the step itself is in :mod:`.step`, the loop over the steps in
+:mod:`.loop`, checkpoints and the metrics history in :mod:`.checkpoint`, the held-out figures in
+:mod:`.heldout`. Here: the run, building a rank, and the sections around the loop (data, resume,
+hot start, outputs).
 
 Optimiser: AdamW, fp32 master weights (bf16 autocast on CUDA), linear warm-up
 then cosine, grad clip on the global norm.
@@ -16,9 +19,10 @@ then cosine, grad clip on the global norm.
 
 from __future__ import annotations
 
+import json
 import math
-import resource
 import time
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -30,32 +34,16 @@ from dflashpipe.config import schema_settings
 from dflashpipe.errors import UserError
 from dflashpipe.faults import failpoint
 from dflashpipe.runtime import Laps
-from dflashpipe.tracking import Tracker, check_available
+from dflashpipe.tracking import check_available
 
-from .checkpoint import MetricsHistory, load_checkpoint, run_identity, save_checkpoint, save_final_state, start_run
-from .data import TRAIN_SALT, epoch_batches, heldout_split, make_batch, rank_slice, sample_seed
-from .distributed import (
-    adamw,
-    broadcast_int,
-    check_same_on_all_ranks,
-    data_parallel,
-    full_optimizer_state,
-    gather,
-    init_dist,
-)
+from .checkpoint import checkpoint_dir, load_checkpoint, run_identity, save_final_state, start_run
+from .data import RunData, epoch_batches, heldout_split
+from .distributed import adamw, broadcast_int, check_same_on_all_ranks, data_parallel, gather, init_dist
 from .features import trim_unused_layers
 from .fp8 import check_fp8_device, quantize_decoder_linears
-from .heldout import heldout_figures
+from .loop import Progress, Rank, peak_mem_mb, train_loop
 from .model import ARCH_FIELDS, ARCH_KEYS, DFlashDrafter, DrafterConfig
-from .step import (
-    apply_compile_mode,
-    compile_signature,
-    lr_at,
-    prime_buckets,
-    resolve_setup,
-    target_cache_off,
-    train_step,
-)
+from .step import apply_compile_mode, compile_signature, prime_buckets, resolve_setup, target_cache_off
 
 # ---------------------------------------------------------------------------
 # Config
@@ -104,6 +92,66 @@ class TrainConfig:
     tensorboard: bool  # experiment tracking (dflashpipe.tracking; operational: not in the run identity)
     wandb: bool
     wandb_project: str
+
+
+@dataclass(frozen=True)
+class TrainRun:
+    """One training run, whole: its settings, inputs, outputs, identity and world.
+
+    Built once by the job (``workflow/scripts/train.py``); the launcher adds the identity (computed
+    once: every rank keys the same run) and the rendezvous, and sends it to the node launchers and the
+    ranks as ONE JSON file (:meth:`to_json`). :func:`~dflashpipe.drafter.launch.run_training`, its rank
+    processes and :func:`train_rank` take it whole (a rank adds its rank and device).
+    """
+
+    cfg: TrainConfig  # the drafter and train sections and seed: every setting of the run
+    # inputs
+    tokenized_dir: str
+    target_dir: str
+    # outputs
+    run_dir: str  # the run's checkpoints (checkpoints/<identity key>/: ckpt_dir) and launch files
+    metrics_csv: str
+    summary_json: str
+    final_state: str | None = None  # the final weights (the export rule writes the drafter from them)
+    identity: dict | None = None  # what the weights depend on (checkpoint.run_identity); None: not computed yet
+    # world: ranks, their threads and logs, where they meet; the same for every rank
+    nodes: int = 1
+    shards: int = 1  # ranks per node, one GPU each
+    threads: int = 1  # CPU threads per rank
+    init_method: str = "env://"  # how the ranks meet (torch.distributed; the launcher's agent sets env://)
+    cache_root: str | None = None  # the GPU slots' warm compile caches
+    stamps: tuple[str, ...] = ()  # slot k's warm stamp (the hot start of local rank k); empty: none
+    rank_logs: tuple[str, ...] = ()
+    node_logs: tuple[str, ...] = ()  # the node launchers' (several nodes)
+    hosts: tuple[str, ...] = ()  # the allocation's nodes (several nodes)
+    master: str | None = None  # the first node's address:port, where the agents meet (several nodes)
+    run_id: str | None = None  # one launch: a killed launch's files are never reused
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.shards
+
+    @property
+    def ckpt_dir(self) -> Path:
+        if self.identity is None:
+            raise ValueError("TrainRun.ckpt_dir: the run has no identity yet (TrainRun.identified)")
+        return checkpoint_dir(self.run_dir, self.identity)
+
+    def identified(self) -> TrainRun:
+        """This run with its identity (computed here, once, if it has none)."""
+        if self.identity is not None:
+            return self
+        return replace(self, identity=run_identity(self.cfg, self.tokenized_dir, self.target_dir))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainRun:
+        values = json.loads(text)
+        values["cfg"] = TrainConfig(**values["cfg"])
+        tuples = {f.name for f in fields(cls) if str(f.type).startswith("tuple")}
+        return cls(**{k: tuple(v) if k in tuples else v for k, v in values.items()})
 
 
 # ---------------------------------------------------------------------------
@@ -174,14 +222,8 @@ def warm_compile(cfg: TrainConfig, tokenized_dir: str, target_dir: str, device: 
     buckets = np.asarray(ds["bucket"], dtype=np.int64)
     laps.lap("data")
     log(f"set up in {sum(laps.seconds.values()):.1f} s ({laps})")
-    seconds = prime_buckets(drafter, target, ds, buckets, setup, cfg.seed, pad_id, log)
+    seconds = prime_buckets(drafter, target, ds, buckets, setup, pad_id, log)
     return {"signature": compile_signature(setup, dcfg.to_dict(), buckets), "bucket_seconds": seconds}
-
-
-def peak_mem_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 # ---------------------------------------------------------------------------
@@ -189,53 +231,61 @@ def peak_mem_mb(device: torch.device) -> float:
 # ---------------------------------------------------------------------------
 
 
-def train_rank(cfg: TrainConfig, tokenized_dir: str, target_dir: str, ckpt_dir: str, rank: int, world_size: int,
-               init_method: str, device: str, metrics_csv: str, summary_json: str, final_state: str | None = None,
-               log=print, hot_start=None, identity: dict | None = None) -> dict:
-    """Run rank ``rank`` of a ``world_size``-rank training run; returns the run's summary.
+def train_rank(run: TrainRun, rank: int, device: str, *, log=print, hot_start=None) -> dict:
+    """Run rank ``rank`` of ``run`` (of ``run.world_size`` ranks) on ``device``; returns the run's summary.
 
-    Rank 0 publishes the outputs (``metrics_csv``, ``summary_json``,
-    ``final_state``) once every rank has finished. ``hot_start``: a callable
-    ``(signature: dict) -> checker`` (see :mod:`dflashpipe.hotstart`): it
-    validates the slot's warm stamp against this rank's compile signature before
-    anything compiles, and the checker's ``after_first_step(log)`` proves, after
-    every bucket has been primed, that nothing was compiled from scratch and
-    forbids compiles from then on. ``identity``: the run identity the launcher keyed
-    ``ckpt_dir`` with (computed here if not given).
+    Rank 0 publishes the outputs (``run.metrics_csv``, ``run.summary_json``, ``run.final_state``) once
+    every rank has finished. ``hot_start``: a callable ``(signature: dict) -> checker`` (see
+    :mod:`dflashpipe.hotstart`): it validates the slot's warm stamp against this rank's compile signature
+    before anything compiles, and the checker's ``after_first_step(log)`` proves, after every bucket has
+    been primed, that nothing was compiled from scratch and forbids compiles from then on. The run's
+    identity is the one the launcher computed (computed here if ``run`` has none).
     """
-    check_available(cfg.tensorboard, cfg.wandb)  # a tracker asked for but not installed: one line before anything starts
+    check_available(run.cfg.tensorboard, run.cfg.wandb)  # a tracker asked for but not installed: one line first
     laps = Laps()
     t_start = laps.t
     dev = resolve_device(device)
     laps.lap("device")
-    init_dist(init_method, rank, world_size, dev, cfg.dist_timeout_s)
+    init_dist(run.init_method, rank, run.world_size, dev, run.cfg.dist_timeout_s)
     laps.lap("process group")
     try:
-        identity = identity or run_identity(cfg, tokenized_dir, target_dir)
+        run = run.identified()
         laps.lap("run identity")
-        return _train(cfg, tokenized_dir, target_dir, Path(ckpt_dir), identity, rank, world_size, dev, metrics_csv,
-                      summary_json, final_state, log, t_start, hot_start, laps)
+        r, start_step, last = _build_rank(run, rank, dev, log, laps)
+        _log_start(r, start_step, t_start, laps)
+        p = Progress(start_step, last, t_start, hot=_hot_start(r, hot_start) if hot_start is not None else None)
+        history = train_loop(r, p)
+        return _publish(r, p, history)
     finally:
         dist.destroy_process_group()
 
 
-def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, metrics_csv, summary_json, final_state, log,
-           t_start, hot_start, laps):
-    from tqdm import tqdm
+def _build_rank(run: TrainRun, rank: int, dev: torch.device, log, laps: Laps) -> tuple[Rank, int, dict]:
+    """The rank built: models, data, resumed state and optimiser; with the step it resumes at and its figures."""
+    target, dcfg, setup, drafter, pad_id = build(run.cfg, run.target_dir, dev, run.world_size, laps)
+    data = load_data(run, pad_id)
+    laps.lap("data")
+    model, opt, start_step, last = _resume(run, rank, drafter, dev, log)
+    laps.lap("checkpoint and optimizer")
+    return Rank(run, rank, setup, dcfg, target, drafter, model, opt, data, log), start_step, last
 
+
+# -- data ------------------------------------------------------------------------
+
+
+def load_data(run: TrainRun, pad_id: int) -> RunData:
+    """The run's tokenized data, its held-out split and the number of steps (the same on every rank)."""
     from dflashpipe.tokenize import load_tokenized
 
-    target, dcfg, setup, drafter, pad_id = build(cfg, target_dir, dev, K, laps)
-
-    # -- data ------------------------------------------------------------------
-    ds = load_tokenized(tokenized_dir)
+    cfg = run.cfg
+    ds = load_tokenized(run.tokenized_dir)
     buckets = np.asarray(ds["bucket"], dtype=np.int64)
     train_idx, heldout_idx = heldout_split(list(ds["dataset"]), list(ds["id"]), cfg.heldout_samples)
     steps_per_epoch = len(epoch_batches(buckets, train_idx, cfg.seed, 0, cfg.batch_size))
     if steps_per_epoch == 0:
         raise UserError(
             f"train: {len(train_idx)} training samples (after holding out {len(heldout_idx)}) give no complete "
-            f"batch of train.batch_size {cfg.batch_size} samples in any length bucket of {tokenized_dir}; lower "
+            f"batch of train.batch_size {cfg.batch_size} samples in any length bucket of {run.tokenized_dir}; lower "
             f"train.batch_size or train.heldout_samples, or add data"
         )
     total_steps = math.ceil(cfg.epochs * steps_per_epoch)
@@ -244,139 +294,108 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
     if total_steps <= 0:
         raise UserError(f"train: epochs={cfg.epochs} and max_steps={cfg.max_steps} leave no step to run")
     check_same_on_all_ranks(samples=len(ds), steps_per_epoch=steps_per_epoch, total_steps=total_steps)
-    laps.lap("data")
+    return RunData(ds, buckets, train_idx, heldout_idx, pad_id, steps_per_epoch, total_steps)
 
-    # -- resume: the newest intact checkpoint of this run (rank 0 chooses), at any K ----
+
+# -- resume: the newest intact checkpoint of this run (rank 0 chooses), at any K ------
+
+
+def _resume(run: TrainRun, rank: int, drafter, dev: torch.device, log) -> tuple:
+    """(model in DDP, optimiser, start step, latest figures), from the run's newest checkpoint if any."""
     state = None
     if rank == 0:
-        start_run(ckpt_dir, identity, log)
-        state = load_checkpoint(ckpt_dir, identity, log)
+        start_run(run.ckpt_dir, run.identity, log)
+        state = load_checkpoint(run.ckpt_dir, run.identity, log)
     chosen = broadcast_int(state["step"] if state is not None else 0)
     if rank != 0 and chosen:
-        state = load_checkpoint(ckpt_dir, identity, log, step=chosen)
+        state = load_checkpoint(run.ckpt_dir, run.identity, log, step=chosen)
     start_step, last = 0, {"loss": None, "acc": None, "heldout_loss": None, "heldout_acc": None,
                            "heldout_sim_tau": None, "accept_by_position": None}
     if state is not None:
         drafter.load_state_dict(state["model"])
         start_step, last = int(state["step"]), dict(state["last"])
-    model = data_parallel(drafter, K)  # DDP broadcasts rank 0's weights: identical start everywhere
-    opt = adamw(model, cfg.lr, cfg.weight_decay, dev, K)
+    model = data_parallel(drafter, run.world_size)  # DDP broadcasts rank 0's weights: identical start everywhere
+    opt = adamw(model, run.cfg.lr, run.cfg.weight_decay, dev, run.world_size)
     if state is not None:
         opt.load_state_dict(state["optimizer"])
         _fused_steps_on_device(opt)
-        del state
-    laps.lap("checkpoint and optimizer")
-    log(
-        f"train rank {rank}/{K} on {dev}: {len(train_idx)} train / {len(heldout_idx)} held-out samples, "
-        f"{steps_per_epoch} steps/epoch, {total_steps} steps of {cfg.batch_size} sequences ({setup.rank_batch} on "
-        f"this rank), attention={setup.attention}, dtype={'bf16 autocast' if setup.autocast_dtype else 'fp32'}"
+    return model, opt, start_step, last
+
+
+def _log_start(r: Rank, start_step: int, t_start: float, laps: Laps) -> None:
+    cfg, setup, data, world_size = r.run.cfg, r.setup, r.data, r.run.world_size
+    r.log(
+        f"train rank {r.rank}/{world_size} on {setup.device}: {len(data.train_idx)} train / {len(data.heldout_idx)} held-out "
+        f"samples, {data.steps_per_epoch} steps/epoch, {data.total_steps} steps of {cfg.batch_size} sequences "
+        f"({setup.rank_batch} on this rank), attention={setup.attention}, "
+        f"dtype={'bf16 autocast' if setup.autocast_dtype else 'fp32'}"
         + (f", resumed from step {start_step}" if start_step else "")
     )
-    log(f"set up in {time.time() - t_start:.1f} s ({laps})")
-    cache_off = target_cache_off(cfg, K)
-    if cache_off and rank == 0:
-        log(cache_off)
+    r.log(f"set up in {time.time() - t_start:.1f} s ({laps})")
+    cache_off = target_cache_off(cfg, world_size)
+    if cache_off and r.rank == 0:
+        r.log(cache_off)
 
-    # -- hot start: every compile up front, from the slot's warm cache ---------------
-    hot = None
-    if hot_start is not None:
-        checker = hot_start(compile_signature(setup, dcfg.to_dict(), buckets))
-        t_prime = time.time()
-        prime_buckets(model, target, ds, buckets, setup, cfg.seed, pad_id, log)
-        hot = {"prime_seconds": time.time() - t_prime, "counters": checker.after_first_step(log)}
 
-    # -- the loop ------------------------------------------------------------------
-    history = MetricsHistory(ckpt_dir, start_step, writer=rank == 0, log=log)
-    tracker = Tracker(ckpt_dir, identity, start_step, enabled=rank == 0, tensorboard=cfg.tensorboard, wandb=cfg.wandb,
-                      wandb_project=cfg.wandb_project, log=log)  # TensorBoard / W&B
-    bar = tqdm(total=total_steps, initial=start_step, desc=f"train rank {rank}/{K}", mininterval=5)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    epoch_cache: dict[int, list[np.ndarray]] = {}
-    step_times, step_tokens, first_step_seconds, t_first_done = [], [], None, None
-    try:
-        for step in range(start_step + 1, total_steps + 1):  # 1-based: "step N" = N optimiser steps done
-            failpoint("train.step", step=step, rank=rank)
-            t0 = time.time()
-            epoch, pos = divmod(step - 1, steps_per_epoch)
-            if epoch not in epoch_cache:
-                epoch_cache = {epoch: epoch_batches(buckets, train_idx, cfg.seed, epoch, cfg.batch_size)}
-            idx = rank_slice(epoch_cache[epoch][pos], rank, K)
-            seeds = [sample_seed(cfg.seed, TRAIN_SALT, epoch, step, int(i)) for i in idx]
-            batch = make_batch(ds[idx.tolist()], int(buckets[idx[0]]), seeds, pad_id, setup.num_anchors,
-                               setup.block_size, dev, index=idx)
-            lr = lr_at(step - 1, total_steps, cfg)
+# -- hot start: every compile up front, from the slot's warm cache -----------------
 
-            out = train_step(model, target, opt, batch, lr, setup)
 
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            dt = time.time() - t0
-            if first_step_seconds is None:
-                first_step_seconds, t_first_done = dt, time.time()
-                log(f"first step done in {dt:.2f}s (attention={setup.attention})")
-                tracker.log_start(step, hot, dt, t_first_done - t_start)
-            step_times.append(dt)
-            step_tokens.append(out["tokens"])
-            last.update(loss=out["loss"], acc=out["acc"])
-            row = {"step": step, "epoch": f"{step / steps_per_epoch:.4f}", "loss": f"{out['loss']:.6f}",
-                   "acc": f"{out['acc']:.6f}", "lr": f"{lr:.6g}", "grad_norm": f"{out['grad_norm']:.6g}",
-                   "tokens_per_s": f"{out['tokens'] / dt:.1f}", "tokens_per_s_per_gpu": f"{out['tokens'] / dt / K:.1f}",
-                   "step_seconds": f"{dt:.4f}", "peak_mem_mb": f"{peak_mem_mb(dev):.1f}"}
-            held = None
-            if step == total_steps or (cfg.eval_every and step % cfg.eval_every == 0):
-                held = heldout_figures(drafter, target, ds, heldout_idx, buckets, setup, cfg.seed, pad_id, rank, K)
-                hl, ha, st = held["loss"], held["acc"], held["sim_tau"]
-                last.update(heldout_loss=hl, heldout_acc=ha, heldout_sim_tau=st,
-                            accept_by_position=held["accept_by_position"])
-                row.update(heldout_loss=_fmt(hl), heldout_acc=_fmt(ha), heldout_sim_tau=_fmt(st))
-                log(f"step {step}: loss {out['loss']:.4f} acc {out['acc']:.4f} held-out loss {hl} acc {ha} "
-                    f"simulated tau {st}")
-            history.write(row)
-            tracker.log_step(row, held and held["acc_by_position"], held and held["accept_by_position"])
-            if step % cfg.checkpoint_every == 0 or step == total_steps:
-                optimizer_state = full_optimizer_state(opt)  # a collective: every rank takes part
-                history.sync()
-                tracker.flush()
-                if rank == 0:
-                    path = save_checkpoint(ckpt_dir, step, drafter.state_dict(), optimizer_state, identity, last)
-                    log(f"checkpoint step {step}: {path.name}")
-                del optimizer_state
-            bar.update(1)
-            bar.set_postfix(loss=f"{out['loss']:.3f}", acc=f"{out['acc']:.3f}", lr=f"{lr:.2e}", refresh=False)
-    finally:
-        bar.close()
-        history.close()
-        tracker.close()
+def _hot_start(r: Rank, hot_start) -> dict:
+    """Validate the slot's warm stamp, prime every bucket, prove nothing compiled from scratch."""
+    checker = hot_start(compile_signature(r.setup, r.dcfg.to_dict(), r.data.buckets))
+    t_prime = time.time()
+    prime_buckets(r.model, r.target, r.data.ds, r.data.buckets, r.setup, r.data.pad_id, r.log)
+    return {"prime_seconds": time.time() - t_prime, "counters": checker.after_first_step(r.log)}
 
-    if first_step_seconds is None:  # resumed at the very end (e.g. the export failed): recompute the held-out figures
-        held = heldout_figures(drafter, target, ds, heldout_idx, buckets, setup, cfg.seed, pad_id, rank, K)
-        last.update(heldout_loss=held["loss"], heldout_acc=held["acc"], heldout_sim_tau=held["sim_tau"],
-                    accept_by_position=held["accept_by_position"])
 
-    # -- outputs: published by rank 0 once every rank got here -----------------------
-    steady = step_times[1:] or step_times  # the first step includes any compile
-    steady_tokens = step_tokens[1:] or step_tokens
+# -- outputs: published by rank 0 once every rank got here ----------------------------
+
+
+def _publish(r: Rank, p: Progress, history) -> dict:
+    """The run's summary; rank 0 writes the outputs, and no rank returns before they exist."""
+    run = r.run
+    summary = _summary(r, p)
+    if r.rank == 0:
+        try:
+            failpoint("train.export", rank=r.rank)
+            history.publish(run.metrics_csv)
+            if run.final_state:  # the final weights, for the export rule (drafter/export.py: export_final)
+                save_final_state(run.final_state, r.drafter, r.dcfg, r.data.total_steps, r.setup.autocast_dtype)
+                r.log(f"final weights (step {r.data.total_steps}) in {run.final_state}")
+            write_json(run.summary_json, summary)
+        except OSError as err:
+            raise UserError(
+                f"train: cannot write the run's outputs ({err}); fix that and rerun: the run resumes at its final "
+                f"checkpoint in {run.ckpt_dir} and only writes them"
+            ) from None
+    dist.barrier()  # no rank reports success before the outputs exist
+    return summary
+
+
+def _summary(r: Rank, p: Progress) -> dict:
+    cfg, setup, data, dev, world_size, last = r.run.cfg, r.setup, r.data, r.setup.device, r.run.world_size, p.last
+    steady = p.step_times[1:] or p.step_times  # the first step includes any compile
+    steady_tokens = p.step_tokens[1:] or p.step_tokens
     tokens_per_s = (sum(steady_tokens) / sum(steady)) if steady else None
     ranks = gather({
-        "rank": rank,
+        "rank": r.rank,
         "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "hot_start": hot,
-        "first_step_seconds": first_step_seconds,
-        "time_to_first_step_s": (t_first_done - t_start) if t_first_done else None,
+        "hot_start": p.hot,
+        "first_step_seconds": p.first_step_seconds,
+        "time_to_first_step_s": (p.t_first_done - p.t_start) if p.t_first_done else None,
         "peak_mem_mb": peak_mem_mb(dev),
-        "started_at": t_start,
+        "started_at": p.t_start,
         "finished_at": time.time(),
     })
-    summary = {
-        "steps": total_steps,
-        "epochs": total_steps / steps_per_epoch,
-        "steps_per_epoch": steps_per_epoch,
+    return {
+        "steps": data.total_steps,
+        "epochs": data.total_steps / data.steps_per_epoch,
+        "steps_per_epoch": data.steps_per_epoch,
         "global_batch": cfg.batch_size,
         "rank_batch": setup.rank_batch,
-        "train_samples": len(train_idx),
-        "heldout_samples": len(heldout_idx),
+        "train_samples": len(data.train_idx),
+        "heldout_samples": len(data.heldout_idx),
         "final_loss": last["loss"],
         "final_acc": last["acc"],
         "heldout_loss": last["heldout_loss"],
@@ -384,38 +403,19 @@ def _train(cfg, tokenized_dir, target_dir, ckpt_dir, identity, rank, K, dev, met
         # expected tau of greedy decoding on the held-out blocks (heldout.py), to set beside the measured one
         "heldout_sim_tau": last.get("heldout_sim_tau"),
         "heldout_accept_by_position": last.get("accept_by_position"),
-        "arch": dcfg.arch,
+        "arch": r.dcfg.arch,
         "loss": cfg.loss,
         "position_weights": cfg.position_weights,
         "tokens_per_s": tokens_per_s,  # context tokens of all ranks per second
-        "tokens_per_s_per_gpu": tokens_per_s / K if tokens_per_s else None,
-        "total_seconds": time.time() - t_start,
-        "world_size": K,
+        "tokens_per_s_per_gpu": tokens_per_s / world_size if tokens_per_s else None,
+        "total_seconds": time.time() - p.t_start,
+        "world_size": world_size,
         "attention": setup.attention,
         "dtype": "bf16" if setup.autocast_dtype else "fp32",
-        "resumed_from_step": start_step or None,
-        "checkpoint_dir": str(ckpt_dir),
+        "resumed_from_step": p.start_step or None,
+        "checkpoint_dir": str(r.run.ckpt_dir),
         "ranks": ranks,
     }
-    if rank == 0:
-        try:
-            failpoint("train.export", rank=rank)
-            history.publish(metrics_csv)
-            if final_state:  # the final weights, for the export rule (drafter/export.py: export_final)
-                save_final_state(final_state, drafter, dcfg, total_steps, setup.autocast_dtype)
-                log(f"final weights (step {total_steps}) in {final_state}")
-            write_json(summary_json, summary)
-        except OSError as err:
-            raise UserError(
-                f"train: cannot write the run's outputs ({err}); fix that and rerun: the run resumes at its final "
-                f"checkpoint in {ckpt_dir} and only writes them"
-            ) from None
-    dist.barrier()  # no rank reports success before the outputs exist
-    return summary
-
-
-def _fmt(x) -> str:
-    return "" if x is None else f"{x:.6f}"
 
 
 def _fused_steps_on_device(opt) -> None:

@@ -153,12 +153,12 @@ def hf_generate(target_model, tokenizer, prompt_ids, max_new_tokens, temperature
 
 def prompt_lookup_generate(
     target_model, tokenizer, prompt_ids, max_new_tokens, temperature=0.0, seed=0, eos_ids=None, num_tokens: int = 10,
-    max_matching_ngram_size: int | None = None,
+    **lookup: int,
 ) -> DecodeResult:
-    """Prompt-lookup decoding: candidates copied from n-gram matches in the context."""
-    extra = {"prompt_lookup_num_tokens": int(num_tokens)}
-    if max_matching_ngram_size is not None:
-        extra["max_matching_ngram_size"] = int(max_matching_ngram_size)
+    """Prompt-lookup decoding: candidates copied from n-gram matches in the context.
+
+    ``lookup``: more of ``generate``'s prompt-lookup settings, e.g. ``max_matching_ngram_size=3``."""
+    extra = {"prompt_lookup_num_tokens": int(num_tokens), **{k: int(v) for k, v in lookup.items()}}
     return hf_decode(target_model, tokenizer, prompt_ids, max_new_tokens, temperature, seed, eos_ids, **extra)
 
 
@@ -173,9 +173,12 @@ class _DropInternalDeprecation:
 
 def assisted_generate(
     target_model, tokenizer, assistant_model, prompt_ids, max_new_tokens, temperature=0.0, seed=0, eos_ids=None,
-    num_assistant_tokens: int | None = None, assistant_confidence_threshold: float | None = None,
+    **draft_length: float,
 ) -> DecodeResult:
-    """Assisted generation with a small AR draft model sharing the target's vocabulary."""
+    """Assisted generation with a small AR draft model sharing the target's vocabulary.
+
+    ``draft_length``: the assistant's ``generation_config`` values to set first, by name
+    (``num_assistant_tokens``, ``assistant_confidence_threshold``)."""
     tv = target_model.config.get_text_config().vocab_size
     av = assistant_model.config.get_text_config().vocab_size
     if tv != av:
@@ -185,11 +188,14 @@ def assisted_generate(
     log = logging.getLogger("transformers.generation.utils")
     if not any(isinstance(f, _DropInternalDeprecation) for f in log.filters):
         log.addFilter(_DropInternalDeprecation())
+    unknown = set(draft_length) - {"num_assistant_tokens", "assistant_confidence_threshold"}
+    if unknown:
+        raise TypeError(f"assisted_generate: unknown draft-length settings {sorted(unknown)}")
     gc = assistant_model.generation_config
-    if num_assistant_tokens is not None:
-        gc.num_assistant_tokens = int(num_assistant_tokens)
-    if assistant_confidence_threshold is not None:
-        gc.assistant_confidence_threshold = float(assistant_confidence_threshold)
+    if draft_length.get("num_assistant_tokens") is not None:
+        gc.num_assistant_tokens = int(draft_length["num_assistant_tokens"])
+    if draft_length.get("assistant_confidence_threshold") is not None:
+        gc.assistant_confidence_threshold = float(draft_length["assistant_confidence_threshold"])
     return hf_decode(target_model, tokenizer, prompt_ids, max_new_tokens, temperature, seed, eos_ids, assistant_model=assistant_model)
 
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from dflashpipe.decode.speculative import ARDecoder, DecodeResult, DFlashDecoder
     from dflashpipe.drafter.model import DrafterConfig
 
-    from .run import EvalSettings
+    from .settings import EvalSettings
 
 #: What a method may need beyond the target: the trained DFlash drafter (loaded for every evaluation,
 #: whatever the methods) or the small autoregressive draft (rule ``ar_draft``: trained, and given to the

@@ -22,14 +22,12 @@ import math
 import resource
 import time
 from collections import Counter
-from dataclasses import field
 from pathlib import Path
 
 import pandas as pd
 import torch
 
 from dflashpipe.atomic import atomic_path, write_json
-from dflashpipe.config import schema_settings
 from dflashpipe.decode.cuda_graph import round_capacity
 from dflashpipe.decode.speculative import ARDecoder, DecodeResult, DFlashDecoder, drafter_runner, eos_ids_of, target_runner
 from dflashpipe.errors import UserError
@@ -38,6 +36,7 @@ from dflashpipe.runtime import Laps
 from . import metrics as M
 from .lossless import check_lossless, default_tie_tolerance, logit_gap
 from .methods import REFERENCE, Harness, Runner, Skip, select
+from .settings import EvalRun, EvalSettings
 
 
 # The evaluation's static KV cache holds a multiple of this many positions. Its compiled steps' shapes
@@ -46,53 +45,6 @@ from .methods import REFERENCE, Harness, Runner, Skip, select
 # cache instead of compiling again. At batch 1 the extra positions cost little: attention reads them
 # masked, and the KV cache is a few percent of what a step reads (the weights are the rest).
 EVAL_CAPACITY_STEP = 1024
-
-
-@schema_settings("evaluate")
-class EvalSettings:
-    """How :func:`evaluate_dataset` evaluates: the config's ``evaluate`` section, and a few more.
-
-    The first fields are the ``evaluate`` section's keys and ``seed``, their defaults the schema's:
-    ``settings(EvalSettings, cfg["evaluate"], seed=..., ...)``.
-
-    ``methods``: names from :mod:`.methods` (empty: its defaults, less those whose model is not
-    given). ``lossless`` (greedy only): ``"exact"`` (DFlash must equal AR token for token),
-    ``"ties"`` (as exact, except divergences at numerical near-ties of the target's logits;
-    tolerance ``tie_tolerance``, default :func:`default_tie_tolerance` of the dtype) or
-    ``"report"`` (as ties, but never fails). ``target_step``: how the DFlash and AR loops run the
-    target (:data:`dflashpipe.decode.speculative.TARGET_STEPS`): ``auto`` = a static KV cache with
-    CUDA-graph-captured steps on a GPU where the model's layout allows it, HF's ``DynamicCache``
-    otherwise; recorded in the summary.
-
-    ``seed`` (the config's top-level one: prompt i samples with ``seed + i``) and
-    ``chat_template_kwargs`` (``expand.chat_template_kwargs``: a drafter trained with thinking
-    off is evaluated with thinking off) come from other sections.
-
-    ``cudnn_sdpa=False`` turns PyTorch's cuDNN attention backend off while the evaluation runs
-    (restored afterwards): it builds an execution plan the first time it sees each (query
-    length, key length) pair, which slows whichever method meets a new context length first: an
-    order bias no single warm-up prompt removes (measured: docs/decoding.md). Flash /
-    memory-efficient attention plan nothing per shape.
-    """
-
-    JOB_KEYS = ("threads",)  # the job's threads
-
-    # the config's `evaluate` section (defaults: the schema's)
-    num_prompts: int | None
-    max_new_tokens: int
-    temperature: float
-    methods: list
-    prompt_lookup_num_tokens: int
-    lossless: str
-    target_step: str
-    # from other sections of the config: the top-level seed (default: the schema's), and
-    # expand.chat_template_kwargs (passed by name; the decorator takes defaults of `evaluate` keys only)
-    seed: int
-    chat_template_kwargs: dict = field(default_factory=dict)
-    # not in the config
-    tie_tolerance: float | None = None
-    warmup: bool = True
-    cudnn_sdpa: bool = False
 
 
 def _peak_memory_reset(device: torch.device) -> None:
@@ -191,90 +143,109 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def evaluate_dataset(
-    target_dir: str,
-    drafter_dir: str,
-    prompts_parquet: str,
-    samples_out: str,
-    summary_out: str,
-    settings: EvalSettings | None = None,
-    *,
-    ar_draft_dir: str | None = None,
-    device: str = "cpu",
-    dtype: torch.dtype | None = None,
-    log=print,
-) -> dict:
-    """Run every method on the first ``settings.num_prompts`` prompts; write per-sample parquet and summary JSON atomically.
+def evaluate_dataset(run: EvalRun, log=print) -> dict:
+    """Run every method on the first ``run.settings.num_prompts`` prompts; write per-sample parquet and summary JSON atomically.
 
-    ``ar_draft_dir``: the small AR draft model, for the methods that need it (``assisted``).
-    ``dtype``: default bfloat16 on CUDA, float32 on the CPU. A failed lossless check raises a
-    :class:`UserError` naming the prompt, after the outputs are written. Returns the summary dict.
+    A failed lossless check raises a :class:`UserError` naming the prompt, after the outputs are
+    written. Returns the summary dict.
     """
-    s = settings or EvalSettings()
-    dev = torch.device(device)
+    dev = torch.device(run.device)
     cudnn_before = torch.backends.cuda.cudnn_sdp_enabled()
-    if dev.type == "cuda" and not s.cudnn_sdpa:
+    if dev.type == "cuda" and not run.settings.cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
     try:
-        return _evaluate(target_dir, drafter_dir, prompts_parquet, samples_out, summary_out, s, ar_draft_dir, dev, dtype, log)
+        return _evaluate(run, dev, log)
     finally:
         torch.backends.cuda.enable_cudnn_sdp(cudnn_before)
 
 
-def _evaluate(target_dir, drafter_dir, prompts_parquet, samples_out, summary_out, s: EvalSettings, ar_draft_dir, dev, dtype, log) -> dict:
-    from dflashpipe.drafter.export import load_drafter
-    from dflashpipe.target import describe_target, load_target
+def _evaluate(run: EvalRun, dev: torch.device, log) -> dict:
+    s = run.settings
+    methods = _checked_methods(run, dev)
+    laps = Laps()
+    h, (ids, encoded, skipped), capacity = _harness(run, dev, laps, log)
+    runners, skipped_methods = _start(methods, h, log)
+    laps.lap("methods")
+    log(f"set up in {sum(laps.seconds.values()):.1f} s ({laps}); each method's first decode (compiling, capturing) follows")
+    log(
+        f"evaluate: {len(ids)} prompts, max_new_tokens {s.max_new_tokens}, temperature {s.temperature}, block size "
+        f"{h.drafter_cfg.block_size}, methods {list(runners)}, device {dev}, dtype {str(h.dtype).removeprefix('torch.')}"
+    )
+    log(f"target step: {h.dflash.target.mode}, drafter step: {h.dflash.draft.mode} (evaluate.target_step: {s.target_step})")
+    results, measured = _decode_all(runners, encoded, s, dev, log)
 
+    ar, dcfg = results[REFERENCE], h.drafter_cfg
+    rows = [_row(pid, m, results[m][i], ar[i], h.tokenizer) for m in runners for i, pid in enumerate(ids)]
+    summary = {
+        **_summary_head(run, h, len(ids), skipped, capacity),
+        "methods": {
+            m: _summarise(m, results[m], ar, dcfg.block_size, {**runners[m].summary, **measured[m]}, dcfg.num_drafts + 1)
+            for m in runners
+        },
+        # listed in evaluate.methods but not run, with the reason (e.g. hf_dflash on an older transformers)
+        "skipped_methods": skipped_methods,
+    }
+    summary["lossless"], failure = _lossless(s, ids, encoded, results, h.target, h.dtype, log)
+    return _write(rows, summary, run.samples_out, run.summary_out, failure, keep_failed=s.lossless != "report")
+
+
+def _checked_methods(run: EvalRun, dev: torch.device) -> list:
+    """The methods to run; one line for a setting or a device that cannot work."""
+    s = run.settings
     if s.max_new_tokens < 1:
         raise UserError(f"evaluate.max_new_tokens must be >= 1, got {s.max_new_tokens}")
     if s.temperature < 0:
         raise UserError(f"evaluate.temperature must be >= 0, got {s.temperature}")
     if s.lossless not in ("exact", "ties", "report"):
         raise UserError(f"evaluate.lossless must be 'exact', 'ties' or 'report', got {s.lossless!r}")
-    methods = select(s.methods, ar_draft_given=bool(ar_draft_dir))
+    methods = select(s.methods, ar_draft_given=bool(run.ar_draft_dir))
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"evaluate.device is {str(dev)!r} but CUDA is not available")
+    return methods
 
-    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    laps = Laps()
-    target, tok = load_target(target_dir, device=str(dev), dtype=dtype)
+
+def _harness(run: EvalRun, dev: torch.device, laps: Laps, log) -> tuple[Harness, tuple, int]:
+    """The loaded target and drafter, the prompts, and the same-harness DFlash and AR decoders; with
+    the prompts read (ids, encodings, skipped) and the static KV cache's capacity."""
+    from dflashpipe.drafter.export import load_drafter
+    from dflashpipe.target import load_target
+
+    s = run.settings
+    dtype = run.dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    target, tok = load_target(run.target_dir, device=str(dev), dtype=dtype)
     laps.lap("target")
-    drafter, dcfg = load_drafter(drafter_dir, device=dev, dtype=dtype)
+    drafter, dcfg = load_drafter(run.drafter_dir, device=dev, dtype=dtype)
     laps.lap("drafter")
     eos = eos_ids_of(tok, target)
     if not eos:
-        raise UserError(f"{target_dir}: neither the tokenizer nor the generation config names an eos token")
-    ids, encoded, skipped = _read_prompts(prompts_parquet, tok, target, dcfg.block_size, s, log)
+        raise UserError(f"{run.target_dir}: neither the tokenizer nor the generation config names an eos token")
+    prompts = _read_prompts(run.prompts_parquet, tok, target, dcfg.block_size, s, log)
     laps.lap("prompts")
 
     # the static step needs its cache's size up front: the longest prompt, the reply and one verify block,
     # rounded up to EVAL_CAPACITY_STEP positions (see there)
-    need = max(len(e) for e in encoded) + s.max_new_tokens + 2 * dcfg.block_size
+    need = max(len(e) for e in prompts[1]) + s.max_new_tokens + 2 * dcfg.block_size
     capacity = round_capacity(need, EVAL_CAPACITY_STEP)
     verify = target_runner(target, s.target_step, dcfg.target_layer_ids, capacity, graph_sizes=(dcfg.num_drafts + 1,))
     dflash = DFlashDecoder(target, drafter, dcfg, eos, runner=verify,
                            draft_runner=drafter_runner(drafter, verify, s.target_step, capacity))
     ar_dec = ARDecoder(target, eos, runner=target_runner(target, s.target_step, None, capacity, graph_sizes=(1,)))
-    harness = Harness(settings=s, target=target, tokenizer=tok, eos=eos, drafter_dir=drafter_dir, drafter_cfg=dcfg,
-                      ar_draft_dir=ar_draft_dir, device=dev, dtype=dtype, dflash=dflash, ar=ar_dec)
+    harness = Harness(settings=s, target=target, tokenizer=tok, eos=eos, drafter_dir=run.drafter_dir, drafter_cfg=dcfg,
+                      ar_draft_dir=run.ar_draft_dir, device=dev, dtype=dtype, dflash=dflash, ar=ar_dec)
     laps.lap("static steps")
-    runners, skipped_methods = _start(methods, harness, log)
-    laps.lap("methods")
-    log(f"set up in {sum(laps.seconds.values()):.1f} s ({laps}); each method's first decode (compiling, capturing) follows")
-    log(
-        f"evaluate: {len(ids)} prompts, max_new_tokens {s.max_new_tokens}, temperature {s.temperature}, block size "
-        f"{dcfg.block_size}, methods {list(runners)}, device {dev}, dtype {str(dtype).removeprefix('torch.')}"
-    )
-    log(f"target step: {dflash.target.mode}, drafter step: {dflash.draft.mode} (evaluate.target_step: {s.target_step})")
-    results, measured = _decode_all(runners, encoded, s, dev, log)
+    return harness, prompts, capacity
 
-    ar = results[REFERENCE]
-    rows = [_row(pid, m, results[m][i], ar[i], tok) for m in runners for i, pid in enumerate(ids)]
-    summary = {
-        "target": describe_target(target_dir),
-        "drafter": {"path": str(drafter_dir), **{k: v for k, v in dcfg.to_dict().items() if k in ("block_size", "num_hidden_layers", "target_layer_ids", "mask_token_id")}},
-        "prompts": str(prompts_parquet),
-        "n_prompts": len(ids),
+
+def _summary_head(run: EvalRun, h: Harness, n_prompts: int, skipped: Counter, capacity: int) -> dict:
+    """The summary's entries before the methods': what was evaluated, and how."""
+    from dflashpipe.target import describe_target
+
+    s, dev, dflash = run.settings, h.device, h.dflash
+    return {
+        "target": describe_target(run.target_dir),
+        "drafter": {"path": str(run.drafter_dir), **{k: v for k, v in h.drafter_cfg.to_dict().items() if k in ("block_size", "num_hidden_layers", "target_layer_ids", "mask_token_id")}},
+        "prompts": str(run.prompts_parquet),
+        "n_prompts": n_prompts,
         "skipped_prompts": dict(skipped),
         # one setting (expand.chat_template_kwargs) for expansion, tokenization and evaluation: a drafter
         # trained with thinking off is evaluated with thinking off
@@ -284,7 +255,7 @@ def _evaluate(target_dir, drafter_dir, prompts_parquet, samples_out, summary_out
         "seed": s.seed,
         "device": str(dev),
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": str(h.dtype).removeprefix("torch."),
         "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled() if dev.type == "cuda" else None,
         # how the DFlash and AR loops ran the target: static+cuda_graphs, static or dynamic (DynamicCache)
         "target_step": dflash.target.mode,
@@ -294,15 +265,7 @@ def _evaluate(target_dir, drafter_dir, prompts_parquet, samples_out, summary_out
         "warmup": "each method decoded the first prompt once, untimed, before any timing" if s.warmup else None,
         "timing": "decode only: from the first output token (produced by the prefill forward) to the last; "
         "speed-up = AR time per decode token / method time per decode token, AR = same-harness autoregressive",
-        "methods": {
-            m: _summarise(m, results[m], ar, dcfg.block_size, {**runners[m].summary, **measured[m]}, dcfg.num_drafts + 1)
-            for m in runners
-        },
-        # listed in evaluate.methods but not run, with the reason (e.g. hf_dflash on an older transformers)
-        "skipped_methods": skipped_methods,
     }
-    summary["lossless"], failure = _lossless(s, ids, encoded, results, target, dtype, log)
-    return _write(rows, summary, samples_out, summary_out, failure, keep_failed=s.lossless != "report")
 
 
 def _read_prompts(prompts_parquet, tok, target, block_size: int, s: EvalSettings, log) -> tuple[list[str], list[list[int]], Counter]:
