@@ -202,12 +202,18 @@ def mini_copy(mini_run, tmp_path):
     return dst, cfg
 
 
-def planned_after_edit(workdir: Path, cfg: Path, module: str) -> set[str]:
-    """Rules a dry run would execute after appending a comment to a library module (restored after)."""
+# appended to a module: a change of what it means (a new module-level name), which the code digests see
+CODE_EDIT = "\n_EDITED_BY_A_TEST = 1\n"
+
+
+def planned_after_edit(workdir: Path, cfg: Path, module: str, edit: str = CODE_EDIT) -> set[str]:
+    """Rules a dry run would execute after appending ``edit`` (a new statement unless told) to a library
+    module, or to a workflow script for ``module="../scripts/x.py"`` (restored after)."""
     path = REPO / "workflow" / "dflashpipe" / module
-    original = path.read_text()
+    original, stat = path.read_text(), path.stat()
     try:
-        path.write_text(original + "\n# edited\n")
+        path.write_text(original + edit)
         return set(planned_rules(workdir, "--configfile", str(cfg)))
     finally:
         path.write_text(original)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # as it was (Snakemake dates a script by it)

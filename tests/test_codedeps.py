@@ -157,3 +157,74 @@ def test_code_digest_of_the_training_code_ignores_a_reworded_log_line(tmp_path):
     assert meaning_digest(files, root) == before
     train.write_text(src.replace("== 0", "== 1", 1))
     assert "== 0" in src and meaning_digest(files, root) != before
+
+
+def _package(root: Path, files: dict[str, str]) -> Path:
+    pkg = root / "dflashpipe"
+    for rel, text in {"__init__.py": "", **files}.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    return pkg
+
+
+def _digest(pkg: Path, top: str) -> str:
+    from dflashpipe.codedeps import meaning_digest
+
+    return meaning_digest(module_closure(pkg, [top]), pkg)
+
+
+PROBLEMS = "class UserError(Exception):\n    pass\n"
+HELPERS = "import os\n\n\ndef where():\n    return os.getcwd()\n"
+
+
+def test_a_moved_or_renamed_module_keeps_the_digest(tmp_path):
+    """Where a file sits and what it is called do not count: a module moved into a new folder (its
+    ``__init__.py`` a docstring only) and renamed, its importers' imports rewritten, in another order."""
+    before = _package(tmp_path / "a", {
+        "problems.py": PROBLEMS, "helpers.py": HELPERS,
+        "stage.py": "from dflashpipe.problems import UserError\nfrom dflashpipe.helpers import where\n"
+                    "from dflashpipe import helpers as H\n\n\ndef run():\n    raise UserError(where(), H.where())\n"
+                    "HERE = Path(__file__).resolve().parents[1] / 'schemas'\n",
+    })
+    after = _package(tmp_path / "b", {
+        "jobs/__init__.py": '"""Job plumbing."""\n\nfrom __future__ import annotations\n',
+        "jobs/user_problems.py": "# moved\n" + PROBLEMS, "jobs/helpers.py": HELPERS,
+        "stages/__init__.py": "",
+        "stages/stage.py": "from dflashpipe.jobs import helpers as H\nfrom dflashpipe.jobs.helpers import where\n"
+                           "from dflashpipe.jobs.user_problems import UserError\n\n\n"
+                           "def run():\n    raise UserError(where(), H.where())\n"
+                           "HERE = Path(__file__).resolve().parents[2] / 'schemas'\n",
+    })
+    assert _digest(before, "stage") == _digest(after, "stages.stage")
+
+
+def test_the_digest_sees_a_real_change_anywhere_and_which_module_is_imported(tmp_path):
+    base = {"problems.py": PROBLEMS, "helpers.py": HELPERS, "other.py": HELPERS.replace("getcwd", "getpid"),
+            "stage.py": "from dflashpipe.helpers import where\nimport dflashpipe.other\n\n\ndef run():\n"
+                        "    return where()\n"}
+    ref = _digest(_package(tmp_path / "ref", base), "stage")
+    changed = [
+        {"helpers.py": HELPERS.replace("getcwd", "getcwdb")},  # an imported module's code
+        {"stage.py": base["stage.py"].replace("helpers import", "other import")},  # where a name comes from
+        {"stage.py": base["stage.py"].replace("return where()", "return where() + 1")},  # the stage's own code
+    ]
+    for i, change in enumerate(changed):
+        assert _digest(_package(tmp_path / str(i), {**base, **change}), "stage") != ref, change
+
+
+def test_two_files_of_the_same_meaning_count_twice(tmp_path):
+    from dflashpipe.codedeps import meaning_digest
+
+    pkg = _package(tmp_path, {"a.py": HELPERS, "b.py": "# the same\n" + HELPERS})
+    one, two = [str(pkg / "a.py")], [str(pkg / "a.py"), str(pkg / "b.py")]
+    assert meaning_digest(one, pkg) != meaning_digest(two, pkg)
+    assert meaning_digest(two, pkg) == meaning_digest(two[::-1], pkg)
+
+
+def test_a_file_anchor_that_reaches_elsewhere_is_a_change(tmp_path):
+    src = "from pathlib import Path\n\nHERE = Path(__file__).resolve().parent\n"
+    a = _digest(_package(tmp_path / "a", {"m.py": src}), "m")
+    b = _digest(_package(tmp_path / "b", {"m.py": src.replace(".parent", ".parents[1]")}), "m")
+    moved = _digest(_package(tmp_path / "c", {"sub/__init__.py": "", "sub/m.py": src.replace(".parent", ".parents[1]")}),
+                    "sub.m")
+    assert a != b and a == moved

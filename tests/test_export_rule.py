@@ -1,11 +1,11 @@
-"""The export is a rule of its own: it reads the training run's final weights, so an edit of the export code
+"""The export is a rule of its own: it reads the training run's final weights, so a change of the export code
 reruns the export (and what reads the drafter), never the warm chain or training."""
 
 from __future__ import annotations
 
 import json
 
-from conftest import REPO, planned_after_edit, snakemake
+from conftest import CODE_EDIT, REPO, planned_after_edit, snakemake
 
 NOT_RERUN = {"warm_slot", "train", "tokenize", "expand_shard", "tiny_target", "prompts"}
 READ_THE_DRAFTER = {"export", "evaluate", "tables", "plots", "all"}
@@ -26,7 +26,7 @@ def test_an_export_code_edit_reruns_the_export_only(mini_copy):
     export_py = REPO / "workflow/dflashpipe/drafter/export.py"
     original = export_py.read_text()
     try:
-        export_py.write_text(original + "\n# edited\n")
+        export_py.write_text(original + CODE_EDIT)
         res = snakemake(work, "results/drafter", "--cores", "2", "--configfile", str(cfg))
     finally:
         export_py.write_text(original)

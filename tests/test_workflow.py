@@ -6,7 +6,7 @@ import datasets
 import pandas as pd
 import pytest
 
-from conftest import mini_config, planned_after_edit, planned_rules, snakemake, write_config
+from conftest import CODE_EDIT, mini_config, planned_after_edit, planned_rules, snakemake, write_config
 
 
 def test_stages_produce_outputs(mini_run):
@@ -42,11 +42,12 @@ def test_rerun_is_a_no_op(mini_run):
 
 
 def test_code_edit_reruns_exactly_its_stages(mini_run, tmp_path):
-    """An edit to a library module reruns the stages whose scripts import it (transitively), and what follows."""
+    """A change of what a library module means reruns the stages whose scripts import it (transitively), and
+    what follows; so does one of a stage's script. A comment, a docstring or a log message reruns nothing."""
     work, cfg = mini_run
 
-    def planned(module):
-        return planned_after_edit(work, cfg, module)
+    def planned(module, edit=CODE_EDIT):
+        return planned_after_edit(work, cfg, module, edit)
 
     # what follows training (its output changes) and what follows tokenize (the AR draft peer)
     training = {"warm_slot", "train", "export", "evaluate", "tables", "plots", "all"}
@@ -58,6 +59,8 @@ def test_code_edit_reruns_exactly_its_stages(mini_run, tmp_path):
     assert planned("decode/slots.py") == {"expand_shard", "merge_expanded"} | data  # the batched backend
     assert planned("tiny_target.py") == {"tiny_target", "expand_shard", "merge_expanded"} | data
     assert planned("data.py") == {"prompts", "tiny_target", "expand_shard", "merge_expanded"} | data
+    assert planned("../scripts/tokenize.py") == data  # a stage's script: by meaning too
+    assert planned("errors.py", "\n# a comment\n") == set()
 
 
 def test_config_typo_is_one_line(mini_run):
@@ -112,3 +115,56 @@ def test_moving_the_checkout_reruns_nothing(tmp_path):
     res = run(moved, "-n", "--quiet", "rules")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "Job stats:" not in res.stdout + res.stderr, (res.stdout + res.stderr)[-2000:]
+
+
+def test_moving_library_modules_reruns_nothing(mini_copy, tmp_path):
+    """A finished run, then its library reorganised: atomic.py moved into a new folder and renamed, faults.py
+    moved there too, and every import rewritten to match: nothing is planned. The rules' code params digest
+    what the code means, not where it sits."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import REPO, snakemake_env
+
+    work, cfg = mini_copy
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    for item in ("Snakefile", "workflow", "profiles", "envs"):
+        src = REPO / item
+        (shutil.copytree(src, checkout / item, ignore=shutil.ignore_patterns("__pycache__"))
+         if src.is_dir() else shutil.copy2(src, checkout / item))
+    lib = checkout / "workflow" / "dflashpipe"
+    (lib / "plumbing").mkdir()
+    (lib / "plumbing" / "__init__.py").write_text('"""What every job stands on."""\n')
+    moves = {"atomic": "plumbing.atomic_files", "faults": "plumbing.faults"}
+    names = "|".join(moves)
+    for old, new in moves.items():
+        (lib / f"{old}.py").rename(lib / (new.replace(".", "/") + ".py"))
+    rewritten = 0
+    for f in [*checkout.joinpath("workflow").rglob("*.py"), *checkout.joinpath("workflow").rglob("*.smk")]:
+        text = f.read_text()
+        new_text = re.sub(rf"\bdflashpipe\.({names})\b", lambda m: "dflashpipe." + moves[m[1]], text)
+        new_text = re.sub(rf"(?m)^(\s*)from dflashpipe import ({names})\b",
+                          lambda m: f"{m[1]}from dflashpipe.plumbing import {moves[m[2]].split('.')[1]} as {m[2]}",
+                          new_text)
+        if new_text != text:
+            f.write_text(new_text)
+            rewritten += 1
+    assert rewritten > 5
+
+    def planned():
+        res = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(checkout / "Snakefile"), "-d", str(work),
+                              "-n", "--quiet", "rules", "--configfile", str(cfg)],
+                             cwd=work, env=snakemake_env(), capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return "Job stats:" in res.stdout + res.stderr, res.stdout + res.stderr
+
+    anything, out = planned()
+    assert not anything, out[-2000:]
+    # a real change still reruns its stage, the code in its new place
+    tok = lib / "tokenize.py"
+    tok.write_text(tok.read_text() + CODE_EDIT)
+    anything, out = planned()
+    assert anything and "tokenize" in out, out[-2000:]

@@ -1,11 +1,13 @@
-"""Which library source files a stage depends on.
+"""Which library source files a stage depends on, and what they mean.
 
 Snakemake reruns a ``script:`` rule when the script changes, but never sees
-edits to the modules the script imports. Each rule therefore lists, as inputs,
-the source files of the library modules it uses, transitively: an edit to a
-module reruns exactly the stages that import it (directly or through another
-module), and nothing else. Small inputs are checksummed by Snakemake, so a
-touch without a change reruns nothing.
+edits to the modules the script imports. Each rule therefore passes, as a
+param, a digest of what its script and the library modules it uses
+(transitively) mean (:func:`script_digest`): a change to a module reruns
+exactly the stages that import it (directly or through another module), and
+nothing else. The digest ignores comments, docstrings and log messages, and
+where a file sits: moving or renaming a module (its importers' imports
+rewritten to match) keeps every digest.
 """
 
 from __future__ import annotations
@@ -133,9 +135,8 @@ def _is_message_call(node: ast.AST) -> bool:
     )
 
 
-def source_meaning(source: str, filename: str = "<source>") -> str:
-    """``source``'s syntax tree without comments, docstrings and message strings, as text (see above)."""
-    tree = ast.parse(source, filename=filename)
+def _strip(tree: ast.AST) -> ast.AST:
+    """``tree`` without docstrings and bare strings, and with message strings blanked (see above)."""
     for node in ast.walk(tree):
         for field in ("body", "orelse", "finalbody"):
             body = getattr(node, field, None)
@@ -152,16 +153,175 @@ def source_meaning(source: str, filename: str = "<source>") -> str:
                 _blank_messages(part)
         elif isinstance(node, ast.Assert) and node.msg is not None:
             _blank_messages(node.msg)
-    return ast.dump(tree)
+    return tree
 
 
-def meaning_digest(files: list[str], root: str | Path) -> str:
-    """A short digest of what ``files`` (paths under ``root``, recorded relative to it) mean."""
+def source_meaning(source: str, filename: str = "<source>") -> str:
+    """``source``'s syntax tree without comments, docstrings and message strings, as text (see above)."""
+    return ast.dump(_strip(ast.parse(source, filename=filename)))
+
+
+# -- the same, independent of where the files sit ----------------------------------------------------------
+#
+# A code digest must not change when a module moves to another folder or is renamed (its importers' imports
+# rewritten to match), so before hashing a file:
+#   * each import of a dflashpipe module names it by a key of its content instead of its dotted name: the
+#     hash of its meaning with its own dflashpipe imports blanked (``from dflashpipe.m import f`` and
+#     ``from dflashpipe.floor.renamed import f`` read the same when m.py, moved to floor/renamed.py, means the
+#     same; ``from dflashpipe import m`` and ``from dflashpipe.floor import renamed as m`` too);
+#   * each run of import statements is split into one name per statement and sorted (the order and grouping
+#     of imports follow the module names);
+#   * ``Path(__file__)...parent``/``.parents[N]`` names the folder it reaches relative to the package, not to
+#     the file (``.parent`` in dflashpipe/x.py and ``.parents[1]`` in dflashpipe/jobs/x.py: the package).
+# A digest is then the hash of the sorted list of the files' hashes: a multiset, so two files with the same
+# meaning count twice and no file's name or place enters it. Files that mean nothing (a package's
+# ``__init__.py`` with a docstring only) do not count.
+
+_LAYOUT_FREE: dict[tuple, tuple[str, str | None]] = {}  # (file, mtime, size, package) -> (key, digest)
+
+
+def _resolve_from(node: ast.ImportFrom, this: str | None, is_pkg: bool) -> str | None:
+    if not node.level:
+        return node.module
+    if this is None:
+        return None
+    base = this.split(".")
+    base = base if is_pkg else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _file_anchor(node: ast.AST) -> int | None:
+    """How many folders up from the file ``Path(__file__)[.resolve()](.parent|.parents[N])*`` goes (None when
+    ``node`` is not such an expression)."""
+    up = 0
+    while True:
+        if isinstance(node, ast.Attribute) and node.attr == "parent":
+            up, node = up + 1, node.value
+        elif (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute)
+              and node.value.attr == "parents" and isinstance(node.slice, ast.Constant)
+              and isinstance(node.slice.value, int)):
+            up, node = up + node.slice.value + 1, node.value.value
+        else:
+            break
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "resolve"
+            and not node.args):
+        node = node.func.value
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Path"
+            and len(node.args) == 1 and isinstance(node.args[0], ast.Name) and node.args[0].id == "__file__"):
+        return up
+    return None
+
+
+class _Anchors(ast.NodeTransformer):
+    def __init__(self, depth: int | None):
+        self.depth = depth  # folders between the package folder and the file's (None: outside the package)
+
+    def _anchor(self, node):
+        up = _file_anchor(node)
+        if up is None or up == 0:
+            return self.generic_visit(node)
+        if self.depth is not None and up - 1 >= self.depth:
+            return ast.Name(id=f"__package_folder_up_{up - 1 - self.depth}__", ctx=ast.Load())
+        return ast.Name(id=f"__file_up_{up}__", ctx=ast.Load())
+
+    visit_Attribute = _anchor
+    visit_Subscript = _anchor
+
+
+def _layout_free_tree(path: Path, package_dir: Path, key_of) -> ast.Module:
+    """``path``'s stripped tree with the package's imports keyed by ``key_of(module)`` (see above)."""
+    tree = _strip(ast.parse(path.read_text(), filename=str(path)))
+    this = _module_name(path, package_dir)
+    depth = None if this is None else len(path.resolve().relative_to(package_dir.resolve()).parts) - 1
+    tree = _Anchors(depth).visit(tree)
+    is_pkg = path.name == "__init__.py"
+
+    def split(stmt: ast.stmt) -> list[ast.stmt]:
+        if isinstance(stmt, ast.Import):
+            out = []
+            for a in stmt.names:
+                if a.name.split(".")[0] == PACKAGE and _module_file(package_dir, a.name) is not None:
+                    # `import dflashpipe.x as y` binds y; without `as` it binds the package itself
+                    out.append(ast.Import(names=[ast.alias(name=key_of(a.name), asname=a.asname or PACKAGE)]))
+                else:
+                    out.append(ast.Import(names=[a]))
+            return out
+        module = _resolve_from(stmt, this, is_pkg)
+        if module is None or module.split(".")[0] != PACKAGE:
+            return [ast.ImportFrom(module=stmt.module, names=[a], level=stmt.level) for a in stmt.names]
+        out = []
+        for a in stmt.names:
+            bound = a.asname or a.name
+            if _module_file(package_dir, f"{module}.{a.name}") is not None:  # a submodule
+                out.append(ast.Import(names=[ast.alias(name=key_of(f"{module}.{a.name}"), asname=bound)]))
+            else:
+                out.append(ast.ImportFrom(module=key_of(module), names=[ast.alias(name=a.name, asname=bound)],
+                                          level=0))
+        return out
+
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            body = getattr(node, field, None)
+            if not (isinstance(body, list) and body and isinstance(body[0], ast.stmt)):
+                continue
+            out, run = [], []
+            for stmt in [*body, None]:
+                if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                    run.extend(split(stmt))
+                    continue
+                out.extend(sorted(run, key=ast.dump))
+                run = []
+                if stmt is not None:
+                    out.append(stmt)
+            setattr(node, field, out)
+    return tree
+
+
+def _means_nothing(tree: ast.Module) -> bool:
+    return all(isinstance(s, ast.Pass) or (isinstance(s, ast.ImportFrom) and s.module == "__future__")
+               for s in tree.body)
+
+
+def _layout_free(path: Path, package_dir: Path) -> tuple[str, str | None]:
+    """(content key, digest) of one file: the key blanks its package imports, the digest keys them; the
+    digest is None for a file that means nothing."""
     import hashlib
 
-    root = Path(root).resolve()
-    h = hashlib.sha256()
-    for f in sorted(files, key=lambda p: str(Path(p).resolve().relative_to(root))):
-        h.update(str(Path(f).resolve().relative_to(root)).encode() + b"\0")
-        h.update(source_meaning(Path(f).read_text(), str(f)).encode() + b"\0")
-    return h.hexdigest()[:16]
+    st = path.stat()
+    cache_key = (str(path.resolve()), st.st_mtime_ns, st.st_size, str(package_dir.resolve()))
+    if cache_key in _LAYOUT_FREE:
+        return _LAYOUT_FREE[cache_key]
+
+    def blank(module: str) -> str:
+        return "<package module>"
+
+    def keyed(module: str) -> str:
+        f = _module_file(package_dir, module)
+        if f is None:
+            return f"<missing {module}>"  # an import that fails: as it reads
+        return "<package module " + _layout_free(f, package_dir)[0] + ">"
+
+    def sha(tree):
+        return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+
+    key = sha(_layout_free_tree(path, package_dir, blank))
+    _LAYOUT_FREE[cache_key] = (key, None)  # an import circle reads the key only
+    tree = _layout_free_tree(path, package_dir, keyed)
+    out = _LAYOUT_FREE[cache_key] = (key, None if _means_nothing(tree) else sha(tree))
+    return out
+
+
+def meaning_digest(files: list[str], package_dir: str | Path) -> str:
+    """A short digest of what ``files`` (dflashpipe modules under ``package_dir``, or scripts importing them)
+    mean, independent of where they sit (see above)."""
+    import hashlib
+
+    package_dir = Path(package_dir)
+    digests = sorted(d for f in files if (d := _layout_free(Path(f), package_dir)[1]) is not None)
+    return hashlib.sha256("\n".join(digests).encode()).hexdigest()[:16]
+
+
+def script_digest(package_dir: str | Path, script: str | Path) -> str:
+    """What a workflow script and the library modules it imports (transitively) mean: a rule's code param."""
+    return meaning_digest([str(script), *script_closure(package_dir, script)], package_dir)

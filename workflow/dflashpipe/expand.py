@@ -285,15 +285,13 @@ def decoder_identity(target_path: str, s: ExpandSettings, device: str) -> dict:
 
 
 def decoding_code_digest() -> str:
-    """Digest of the library code an expansion runs (this module and what it imports, transitively): a
-    decoder fix discards the finished chunks instead of mixing old and new replies in one output."""
-    from dflashpipe.codedeps import module_closure
+    """What the library code an expansion runs (this module and what it imports, transitively) means: a
+    decoder fix discards the finished chunks instead of mixing old and new replies in one output; a comment,
+    a log message or a module's move keeps them (:func:`dflashpipe.codedeps.meaning_digest`)."""
+    from dflashpipe.codedeps import meaning_digest, module_closure
 
-    h = hashlib.sha256()
     package = Path(__file__).resolve().parent
-    for f in module_closure(package, ["expand"]):
-        h.update(str(Path(f).relative_to(package)).encode() + b"\0" + Path(f).read_bytes())
-    return h.hexdigest()[:16]
+    return meaning_digest(module_closure(package, [__name__]), package)
 
 
 def _open_openai(target_path: str, s: ExpandSettings, device: str, server: ServerSettings, log):

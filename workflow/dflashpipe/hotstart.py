@@ -93,8 +93,8 @@ def runtime_info(device: str) -> dict:
 
 
 def code_digest(files: list[str]) -> str:
-    """What the library files mean (comments, docstrings and log messages do not count: see
-    :func:`dflashpipe.codedeps.source_meaning`)."""
+    """What the library files mean (comments, docstrings, log messages and where the files sit do not
+    count: see :func:`dflashpipe.codedeps.meaning_digest`)."""
     from dflashpipe.codedeps import meaning_digest
 
     return meaning_digest(files, Path(__file__).resolve().parent)

@@ -6,7 +6,7 @@ files (``workflow/rules/*.smk``) only refer to these by name, so a file name is
 spelled in exactly one place.
 
 Only ``workflow/rules/common.smk`` imports this module; no stage script does.
-The code-change trigger (``codedeps``) follows the stage scripts' imports, so an
+The code param (``codedeps``) follows the stage scripts' imports, so an
 edit here reruns no stage: a changed path or param shows up in the plan itself.
 """
 
@@ -16,7 +16,7 @@ import importlib.metadata
 import os
 from pathlib import Path
 
-from dflashpipe.codedeps import script_closure
+from dflashpipe.codedeps import script_digest
 from dflashpipe.config import canonical, compile_keys, on_server, result_params
 from dflashpipe.evaluate.methods import METHODS, needs_ar_draft
 from dflashpipe.lease import COMPILE_CACHE
@@ -122,17 +122,12 @@ class Pipeline:
         self.nodes = config["train"]["nodes"]
         self.ranks = self.shards * self.nodes
 
-    # -- code inputs ------------------------------------------------------------------
-    def lib_code(self, script: str) -> list[str]:
-        """Library source files the stage's script imports (transitively): edits to them rerun the stage.
-
-        Relative to the working directory when the repository is inside it (the usual run from the
-        checkout): Snakemake keys a job's input set by these strings, so absolute paths would rerun
-        every stage when the checkout, results included, is moved.
-        """
-        cwd = Path.cwd()
-        files = script_closure(self.lib, self.scripts / script)
-        return [os.path.relpath(f, cwd) if Path(f).is_relative_to(cwd) else f for f in files]
+    # -- code params ------------------------------------------------------------------
+    def code(self, script: str) -> str:
+        """What the stage's script and the library modules it imports (transitively) mean: a param, so
+        that a change to them reruns the stage, and a comment, a docstring, a log message or a module's
+        move to another folder or name does not (:mod:`dflashpipe.codedeps`)."""
+        return script_digest(self.lib, self.scripts / script)
 
     # -- datasets ---------------------------------------------------------------------
     def repo_path(self, p: str) -> str:

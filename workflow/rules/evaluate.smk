@@ -5,7 +5,6 @@ if pipeline.needs_ar_draft():
         input:
             tokenized=paths.tokenized,
             target_id=paths.target_id,
-            code=pipeline.lib_code("ar_draft.py"),
         output:
             directory(paths.ar_draft),
         log:
@@ -18,6 +17,7 @@ if pipeline.needs_ar_draft():
         resources:
             gpu=1,
         params:
+            code=pipeline.code("ar_draft.py"),
             target=pipeline.target_dir(),
             cfg=pipeline.result_params("ar_draft"),
             seed=config["seed"],
@@ -32,7 +32,6 @@ rule evaluate:
         drafter=paths.drafter,
         prompts=paths.prompts(),
         ar_draft=pipeline.ar_draft_dir(),
-        code=pipeline.lib_code("evaluate.py"),
     output:
         samples=paths.eval_samples(),
         summary=paths.eval_summary(),
@@ -46,6 +45,7 @@ rule evaluate:
     resources:
         gpu=1,
     params:
+        code=pipeline.code("evaluate.py"),
         target=pipeline.target_dir(),
         cfg=pipeline.result_params("evaluate"),
         seed=config["seed"],

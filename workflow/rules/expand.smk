@@ -3,7 +3,6 @@ rule expand_shard:
     input:
         prompts=paths.prompts(),
         target_id=paths.target_id,
-        code=pipeline.lib_code("expand.py"),
     output:
         paths.expanded_shard(),
     log:
@@ -18,6 +17,7 @@ rule expand_shard:
     resources:
         gpu=pipeline.expand_gpus(),
     params:
+        code=pipeline.code("expand.py"),
         target=pipeline.target_dir(),
         settings=pipeline.result_params("expand"),
         n_shards=config["expand"]["shards"],
@@ -30,7 +30,6 @@ rule merge_expanded:
     """One parquet per dataset from its expansion shards."""
     input:
         shards=pipeline.expanded_shards,
-        code=pipeline.lib_code("merge_expanded.py"),
     output:
         paths.expanded(),
     log:
@@ -38,5 +37,7 @@ rule merge_expanded:
     conda:
         "../../envs/torch.yaml"
     threads: config["threads"]
+    params:
+        code=pipeline.code("merge_expanded.py"),
     script:
         "../scripts/merge_expanded.py"

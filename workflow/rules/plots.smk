@@ -5,7 +5,6 @@ rule tables:
         metrics=paths.train_metrics,
         train_summary=paths.train_summary,
         stamps=pipeline.all_stamps(),
-        code=pipeline.lib_code("tables.py"),
     output:
         eval=paths.table("eval"),
         positions=paths.table("positions"),
@@ -17,6 +16,7 @@ rule tables:
     conda:
         "../../envs/light.yaml"
     params:
+        code=pipeline.code("tables.py"),
         datasets=pipeline.datasets_for("eval"),
     script:
         "../scripts/tables.py"
@@ -30,7 +30,6 @@ rule plots:
         histogram=paths.table("histogram"),
         training=paths.table("training"),
         compile=paths.table("compile"),
-        code=pipeline.lib_code("plots.py"),
     output:
         tau=report(
             paths.plot("tau"),
@@ -67,6 +66,7 @@ rule plots:
     conda:
         "../../envs/light.yaml"
     params:
+        code=pipeline.code("plots.py"),
         method_labels=pipeline.method_labels(),
     script:
         "../scripts/plots.py"

@@ -2,7 +2,6 @@ rule prompts:
     """Load one configured dataset (local file or HF name) into the normal prompt table."""
     input:
         data=pipeline.dataset_file,
-        code=pipeline.lib_code("prompts.py"),
     output:
         prompts=paths.prompts(),
         stats=paths.prompts_stats(),
@@ -14,6 +13,7 @@ rule prompts:
         "../../envs/light.yaml"
     threads: config["threads"]
     params:
+        code=pipeline.code("prompts.py"),
         spec=pipeline.dataset_spec,
     script:
         "../scripts/prompts.py"

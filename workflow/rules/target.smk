@@ -4,7 +4,6 @@ if pipeline.builds_tiny_target:
         """Train the embedded default target: a tiny Qwen3 on the shipped chats."""
         input:
             **pipeline.tiny_target_prompts(),
-            code=pipeline.lib_code("tiny_target.py"),
         output:
             model=directory(paths.target_model),
             metrics=paths.target_metrics,
@@ -17,6 +16,7 @@ if pipeline.builds_tiny_target:
             "../../envs/torch.yaml"
         threads: config["target"]["tiny"]["threads"]
         params:
+            code=pipeline.code("tiny_target.py"),
             # threads and the max_minutes safety stop: read at run time
             cfg=pipeline.result_params("target.tiny"),
             seed=config["seed"],

@@ -3,7 +3,6 @@ rule tokenize:
     input:
         expanded=pipeline.expanded_train(),
         target_id=paths.target_id,
-        code=pipeline.lib_code("tokenize.py"),
     output:
         data=directory(paths.tokenized),
         stats=paths.tokenized_stats,
@@ -13,6 +12,7 @@ rule tokenize:
         "../../envs/torch.yaml"
     threads: config["threads"]
     params:
+        code=pipeline.code("tokenize.py"),
         target=pipeline.target_dir(),
         names=pipeline.datasets_for("train"),
         block_size=config["drafter"]["block_size"],

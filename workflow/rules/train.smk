@@ -4,7 +4,6 @@ rule train:
         stamps=pipeline.all_stamps(),
         tokenized=paths.tokenized,
         target_id=paths.target_id,
-        code=pipeline.lib_code("train.py"),
     output:
         summary=paths.train_summary,
         metrics=paths.train_metrics,
@@ -23,6 +22,7 @@ rule train:
     resources:
         **pipeline.train_resources(),
     params:
+        code=pipeline.code("train.py"),
         target=pipeline.target_dir(),
         drafter=pipeline.result_params("drafter"),
         train=pipeline.result_params("train"),
@@ -41,7 +41,6 @@ rule export:
         # what the model card tells of the run: its held-out figures and the data's size
         summary=paths.train_summary,
         stats=paths.tokenized_stats,
-        code=pipeline.lib_code("export.py"),
     output:
         drafter=directory(paths.drafter),
     log:
@@ -52,6 +51,7 @@ rule export:
         "../../envs/torch.yaml"
     threads: 1
     params:
+        code=pipeline.code("export.py"),
         target=pipeline.target_dir(),
         datasets={n: config["datasets"][n] for n in pipeline.datasets_for("train")},
     script:

@@ -4,7 +4,6 @@ rule warm_slot:
         previous=pipeline.previous_stamp,
         tokenized=paths.tokenized,
         target_id=paths.target_id,
-        code=pipeline.lib_code("warm.py"),
     output:
         paths.warm_stamp(),
     log:
@@ -19,6 +18,7 @@ rule warm_slot:
     resources:
         gpu=1,
     params:
+        code=pipeline.code("warm.py"),
         target=pipeline.target_dir(),
         compile=pipeline.compile_settings(),
         seed=config["seed"],

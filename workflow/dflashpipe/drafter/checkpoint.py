@@ -5,8 +5,8 @@ run identity (:func:`run_identity`): everything that changes the trained
 weights, i.e. the drafter and train settings (operational keys excluded, see
 the config schema), the seed, the tokenized data, the target, and the training
 code by meaning (the same module closure the compile-warm stamps fingerprint;
-comments, docstrings and log messages do not count, see
-:func:`dflashpipe.codedeps.source_meaning`), the target loader
+comments, docstrings, log messages and where the files sit do not count,
+see :func:`dflashpipe.codedeps.meaning_digest`), the target loader
 (``target.py``) and the torch and transformers versions. So an edit of the training code or of a result-changing setting
 starts a fresh run, and a killed run of the same code and settings finds its
 own directory and resumes. The shard count is not part of the identity: the
@@ -71,7 +71,8 @@ def run_identity(cfg, tokenized_dir: str, target_dir: str) -> dict:
         "target": target_fingerprint(target_dir),
         "code": code_digest(train_step_code_files()),  # by meaning: a reworded log line resumes the run
         # the target's features come from load_target; the libraries' kernels and defaults change numbers
-        "target_loader": code_digest(module_closure(Path(__file__).resolve().parents[1], ["target"])),
+        "target_loader": code_digest(module_closure(Path(__file__).resolve().parents[1],
+                                                    [target_fingerprint.__module__])),
         "versions": library_versions(),
     }
 
