@@ -61,6 +61,7 @@ def test_code_edit_reruns_exactly_its_stages(mini_run, tmp_path):
     assert planned("data.py") == {"prompts", "tiny_target", "expand_shard", "merge_expanded"} | data
     assert planned("../scripts/tokenize.py") == data  # a stage's script: by meaning too
     assert planned("errors.py", "\n# a comment\n") == set()
+    assert planned("../scripts/train.py", "\n# a comment\n") == set()  # not dated: digested (profiles/default)
 
 
 def test_config_typo_is_one_line(mini_run):
@@ -118,9 +119,10 @@ def test_moving_the_checkout_reruns_nothing(tmp_path):
 
 
 def test_moving_library_modules_reruns_nothing(mini_copy, tmp_path):
-    """A finished run, then its library reorganised: atomic.py moved into a new folder and renamed, faults.py
-    moved there too, and every import rewritten to match: nothing is planned. The rules' code params digest
-    what the code means, not where it sits."""
+    """A finished run, then its library reorganised: atomic.py and errors.py moved into a new folder and
+    renamed, faults.py and runtime.py (which every stage script imports) moved there too, and every import
+    rewritten to match, the scripts' too: nothing is planned. The rules' code params digest what the code
+    means, not where it sits, and the workflow profile does not date the scripts."""
     import re
     import shutil
     import subprocess
@@ -138,21 +140,25 @@ def test_moving_library_modules_reruns_nothing(mini_copy, tmp_path):
     lib = checkout / "workflow" / "dflashpipe"
     (lib / "plumbing").mkdir()
     (lib / "plumbing" / "__init__.py").write_text('"""What every job stands on."""\n')
-    moves = {"atomic": "plumbing.atomic_files", "faults": "plumbing.faults"}
-    names = "|".join(moves)
+    moves = {"atomic": "atomic_files", "faults": "faults", "errors": "user_errors", "runtime": "runtime"}
+    rewrites = []
     for old, new in moves.items():
-        (lib / f"{old}.py").rename(lib / (new.replace(".", "/") + ".py"))
+        src = next(lib.rglob(f"{old}.py"))  # wherever it is now
+        parent = ".".join(src.parent.relative_to(lib).parts)
+        dotted = ".".join(filter(None, ["dflashpipe", parent, old]))
+        src.rename(lib / "plumbing" / f"{new}.py")
+        rewrites += [(rf"\b{re.escape(dotted)}\b", f"dflashpipe.plumbing.{new}"),
+                     (rf"(?m)^(\s*)from {re.escape(dotted.rpartition('.')[0])} import {old}\b",
+                      rf"\1from dflashpipe.plumbing import {new} as {old}")]
     rewritten = 0
     for f in [*checkout.joinpath("workflow").rglob("*.py"), *checkout.joinpath("workflow").rglob("*.smk")]:
-        text = f.read_text()
-        new_text = re.sub(rf"\bdflashpipe\.({names})\b", lambda m: "dflashpipe." + moves[m[1]], text)
-        new_text = re.sub(rf"(?m)^(\s*)from dflashpipe import ({names})\b",
-                          lambda m: f"{m[1]}from dflashpipe.plumbing import {moves[m[2]].split('.')[1]} as {m[2]}",
-                          new_text)
+        text = new_text = f.read_text()
+        for pattern, replacement in rewrites:
+            new_text = re.sub(pattern, replacement, new_text)
         if new_text != text:
             f.write_text(new_text)
             rewritten += 1
-    assert rewritten > 5
+    assert rewritten > 12  # the twelve stage scripts, and library modules
 
     def planned():
         res = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(checkout / "Snakefile"), "-d", str(work),
@@ -164,7 +170,7 @@ def test_moving_library_modules_reruns_nothing(mini_copy, tmp_path):
     anything, out = planned()
     assert not anything, out[-2000:]
     # a real change still reruns its stage, the code in its new place
-    tok = lib / "tokenize.py"
+    tok = next(lib.rglob("tokenize.py"))
     tok.write_text(tok.read_text() + CODE_EDIT)
     anything, out = planned()
     assert anything and "tokenize" in out, out[-2000:]
