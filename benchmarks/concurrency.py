@@ -195,11 +195,11 @@ def shapes_case(a) -> Case:
 
 def run_case(a) -> Case:
     """A finished pipeline run: its target, trained drafter and held-out prompts, real acceptance."""
-    from dflashpipe.data import read_prompts
     from dflashpipe.decode.speculative import eos_ids_of
     from dflashpipe.drafter.export import load_drafter
     from dflashpipe.evaluate.run import encode_prompt
-    from dflashpipe.target import load_target
+    from dflashpipe.inputs.data import read_prompts
+    from dflashpipe.inputs.target import load_target
 
     run = Path(a.run)
     summaries = sorted((run / "eval").glob("*.summary.json"))

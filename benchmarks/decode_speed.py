@@ -102,9 +102,9 @@ def reply_lengths(n: int, seed: int = 0, median: float = 300, sigma: float = 0.6
 
 
 def batch1(a, target, tcfg, dev) -> dict:
-    from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
     from dflashpipe.decode.speculative import ARDecoder, DFlashDecoder, TargetRunner, drafter_runner
     from dflashpipe.decode.static_target import StaticTargetRunner
+    from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
 
     bs, P, new = a.block_size, (32 if a.tiny else 200), a.new
     g = torch.Generator().manual_seed(0)

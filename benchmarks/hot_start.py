@@ -44,7 +44,7 @@ def build_inputs(work: Path, a) -> None:
     import datasets
     import torch
 
-    from dflashpipe.tiny_target import TinyTargetConfig, build_model, train_tokenizer
+    from dflashpipe.inputs.tiny_target import TinyTargetConfig, build_model, train_tokenizer
 
     words = [f"w{i}" for i in range(3000)]
     texts = [" ".join(words[j : j + 50]) for j in range(0, 3000, 50)]
@@ -77,8 +77,9 @@ def train_config(a, compile=None):
 
 def phase(name: str, work: Path, a) -> dict:
     """Run one phase in THIS (fresh) process."""
-    from dflashpipe.hotstart import hot_start, seed_slot_cache, write_stamp  # no torch import yet
-    from dflashpipe.lease import use_slot_cache
+    from dflashpipe.jobs.compile_cache import seed_slot_cache
+    from dflashpipe.jobs.hotstart import hot_start, write_stamp  # no torch import yet
+    from dflashpipe.jobs.compile_cache import use_slot_cache
 
     t0 = time.time()
     slot = 1 if name == "seeded" else 0

@@ -47,9 +47,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM  # noqa: F401
 
     step("transformers' auto model classes")
-    from dflashpipe.target import load_target, load_tokenizer
+    from dflashpipe.inputs.target import load_target, load_tokenizer
 
-    step("import dflashpipe.target")
+    step("import dflashpipe.inputs.target")
     load_tokenizer(a.target)
     step("tokenizer")
     model, _ = load_target(a.target, device=a.device, dtype=torch.bfloat16)

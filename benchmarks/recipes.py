@@ -78,9 +78,9 @@ def merged_config(files: list[str], overrides: list[str]) -> dict:
 
 def tiny_target(cfg: dict, prompts: dict, out: Path, log) -> str:
     """The embedded default target, trained as the workflow's ``tiny_target`` rule trains it (on the CPU)."""
-    from dflashpipe.config import settings
-    from dflashpipe.data import read_prompts
-    from dflashpipe.tiny_target import TinyTargetConfig, train_tiny_target
+    from dflashpipe.inputs.data import read_prompts
+    from dflashpipe.inputs.tiny_target import TinyTargetConfig, train_tiny_target
+    from dflashpipe.jobs.settings import settings
 
     def chats(path):
         df = read_prompts(str(path))
@@ -100,10 +100,10 @@ def tiny_target(cfg: dict, prompts: dict, out: Path, log) -> str:
 def prepare_data(cfg: dict, target: str | None, data: Path, device: str, log) -> tuple[dict, str]:
     """Prompts of every dataset, the tiny default target when no target is given, expansion of the
     training datasets by the target, tokenization (each once: kept in ``data``). Returns (prompts, target)."""
-    from dflashpipe.config import settings
-    from dflashpipe.data import prepare_prompts
-    from dflashpipe.expand import ExpandSettings, expand_prompts
-    from dflashpipe.tokenize import tokenize_expanded
+    from dflashpipe.inputs.data import prepare_prompts
+    from dflashpipe.inputs.tokenize import tokenize_expanded
+    from dflashpipe.jobs.settings import settings
+    from dflashpipe.stages.expand import ExpandSettings, expand_prompts
 
     data.mkdir(parents=True, exist_ok=True)
     prompts, expanded = {}, {}
@@ -149,9 +149,9 @@ def recipe_config(cfg: dict, recipe: str, window: int, seed: int) -> dict:
 
 def train_one(cfg: dict, target: str, tokenized: str, run: Path, device: str, log) -> dict:
     """One rank of the pipeline's training on this process's device, then its export; returns its summary."""
-    from dflashpipe.config import settings
     from dflashpipe.drafter.export import export_final
     from dflashpipe.drafter.train import TrainConfig, TrainRun, train_rank
+    from dflashpipe.jobs.settings import settings
 
     if (run / "drafter").is_dir() and (run / "summary.json").exists():  # trained by an earlier call
         log(f"{run}: trained already, evaluating its drafter")

@@ -97,7 +97,7 @@ def read_jsonl_gz(path: Path, n: int) -> list[dict]:
 @pytest.fixture(scope="session")
 def micro_target(tmp_path_factory) -> Path:
     """A real (micro) Qwen3 target directory trained by the library, shared by the session."""
-    from dflashpipe.tiny_target import TinyTargetConfig, train_tiny_target
+    from dflashpipe.inputs.tiny_target import TinyTargetConfig, train_tiny_target
 
     out = tmp_path_factory.mktemp("target")
     chats = [r["messages"] for r in read_jsonl_gz(PROMPTS / "math_train.jsonl.gz", 48)]
@@ -150,10 +150,10 @@ MICRO_BUCKETS = [200, 256]
 
 
 def build_tokenized(target_dir: Path, out_dir: Path, n_rows: int = 64, buckets=tuple(MICRO_BUCKETS), min_loss: int = 8) -> Path:
-    """A tokenized dataset in the format of ``dflashpipe.tokenize`` from the shipped math chats."""
+    """A tokenized dataset in the format of ``dflashpipe.inputs.tokenize`` from the shipped math chats."""
     import datasets
 
-    from dflashpipe.tokenize import bucket_for, encode_chat
+    from dflashpipe.inputs.tokenize import bucket_for, encode_chat
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(target_dir))

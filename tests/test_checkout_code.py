@@ -27,7 +27,7 @@ def _installed_copy(tmp: Path, front: bool) -> tuple[Path, Path]:
     other = tmp / "other" / "workflow"
     shutil.copytree(REPO / "workflow" / "dflashpipe", other / "dflashpipe",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    with open(other / "dflashpipe" / "data.py", "a") as f:
+    with open(other / "dflashpipe" / "inputs/data.py", "a") as f:
         f.write(f"\n\ndef prepare_prompts(*args, **kwargs):\n    raise SystemExit({MARKER!r})\n")
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -62,10 +62,10 @@ def test_script_job_runs_the_planning_checkouts_code(tmp_path):
 def _launch_one_rank(py_launcher: Path, rank_py: Path, log: Path, code_env: str | None, path: str | None = None) -> str:
     """Run launch() with one rank that enters a job (logging to ``log``) and prints the library it runs;
     launch's outcome."""
-    rank_code = ("import dflashpipe\nfrom dflashpipe.runtime import job\n"
+    rank_code = ("import dflashpipe\nfrom dflashpipe.jobs.runtime import job\n"
                  f"with job({str(log)!r}, name='rank 0'):\n    print('RANK RAN', dflashpipe.__file__)\n")
     driver = (
-        "from dflashpipe.drafter.launch import launch\nfrom dflashpipe.errors import UserError\n"
+        "from dflashpipe.drafter.launch import launch\nfrom dflashpipe.jobs.errors import UserError\n"
         "try:\n"
         f"    launch([{str(rank_py)!r}, '-c', {rank_code!r}], [{str(log)!r}], log=lambda m: None)\n"
         "    print('LAUNCH OK')\n"
@@ -105,7 +105,7 @@ def test_a_shadowed_checkout_is_refused_in_one_line(tmp_path):
 def test_failed_rank_is_reported_with_this_attempts_error_line(tmp_path):
     """Rank logs are appended to: an earlier attempt's ERROR line must not be named as this failure's cause."""
     from dflashpipe.drafter.launch import launch
-    from dflashpipe.errors import UserError
+    from dflashpipe.jobs.errors import UserError
 
     log = tmp_path / "rank0.log"
     log.write_text("[00:00:01] rank 0: start\nERROR: an earlier attempt's failure\n")

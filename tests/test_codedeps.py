@@ -1,7 +1,7 @@
 from pathlib import Path
 
 from conftest import REPO
-from dflashpipe.codedeps import module_closure
+from dflashpipe.jobs.codedeps import module_closure
 
 LIB = REPO / "workflow" / "dflashpipe"
 
@@ -11,11 +11,11 @@ def names(files):
 
 
 def test_closure_follows_imports_transitively():
-    got = names(module_closure(LIB, ["expand"]))
+    got = names(module_closure(LIB, ["stages.expand"]))
     # expand imports atomic, errors and (inside functions) data and target
-    assert {"__init__.py", "expand.py", "atomic.py", "errors.py", "data.py", "target.py"} <= got
-    assert "tiny_target.py" not in got
-    assert "tokenize.py" not in got
+    assert {"__init__.py", "stages/expand.py", "jobs/atomic.py", "jobs/errors.py", "inputs/data.py", "inputs/target.py"} <= got
+    assert "inputs/tiny_target.py" not in got
+    assert "inputs/tokenize.py" not in got
 
 
 def test_closure_on_a_synthetic_package(tmp_path):
@@ -32,11 +32,11 @@ def test_closure_on_a_synthetic_package(tmp_path):
 
 
 def test_script_closure_starts_from_the_scripts_imports():
-    from dflashpipe.codedeps import script_closure
+    from dflashpipe.jobs.codedeps import script_closure
 
     got = names(script_closure(LIB, REPO / "workflow/scripts/tiny_target.py"))
-    assert {"tiny_target.py", "data.py", "runtime.py", "errors.py"} <= got
-    assert "expand.py" not in got
+    assert {"inputs/tiny_target.py", "inputs/data.py", "jobs/runtime.py", "jobs/errors.py"} <= got
+    assert "stages/expand.py" not in got
 
 
 def test_relative_imports_are_followed(tmp_path):
@@ -53,30 +53,30 @@ def test_relative_imports_are_followed(tmp_path):
 
 
 def test_training_stage_sees_the_drafter_model_code():
-    from dflashpipe.codedeps import script_closure
+    from dflashpipe.jobs.codedeps import script_closure
 
     got = names(script_closure(LIB, REPO / "workflow/scripts/train.py"))
     assert {"drafter/train.py", "drafter/step.py", "drafter/model.py", "drafter/loss.py", "drafter/masks.py",
-            "drafter/launch.py", "hotstart.py", "lease.py"} <= got
+            "drafter/launch.py", "jobs/hotstart.py", "jobs/lease.py"} <= got
     assert not any(n.startswith("evaluate/") for n in got)
 
 
 def test_warm_fingerprint_and_run_identity_cover_the_drafter_model():
     """The step receives the drafter, it does not import it: the model file must be listed anyway,
     or an edit to the drafter would neither rerun the warm chain nor retrain."""
-    from dflashpipe.hotstart import train_step_code_files
+    from dflashpipe.jobs.hotstart import train_step_code_files
 
     got = names(train_step_code_files())
     assert {"drafter/model.py", "drafter/step.py", "drafter/loss.py", "drafter/features.py", "drafter/masks.py",
             "drafter/data.py", "drafter/train.py"} <= got
-    assert "tracking.py" not in got and not any(n.startswith("evaluate/") for n in got)
+    assert "jobs/tracking.py" not in got and not any(n.startswith("evaluate/") for n in got)
 
 
 
 def test_each_decoder_belongs_to_the_stages_that_run_it():
     """decode/ holds the expansion's slot decoder and the evaluation's loops side by side: an edit to the
     loops reruns the evaluation, never the expansion (its package __init__ imports nothing)."""
-    from dflashpipe.codedeps import script_closure
+    from dflashpipe.jobs.codedeps import script_closure
 
     expand = names(script_closure(LIB, REPO / "workflow/scripts/expand.py"))
     evaluate = names(script_closure(LIB, REPO / "workflow/scripts/evaluate.py"))
@@ -90,7 +90,7 @@ def test_each_decoder_belongs_to_the_stages_that_run_it():
 def test_the_export_depends_on_the_modeling_code_it_copies():
     """The export job copies drafter/hf_modeling.py beside the weights without importing it (its
     transformers classes cost seconds per job): the file is still one of the job's code inputs."""
-    from dflashpipe.codedeps import script_closure
+    from dflashpipe.jobs.codedeps import script_closure
 
     assert "drafter/hf_modeling.py" in names(script_closure(LIB, REPO / "workflow/scripts/export.py"))
 
@@ -113,7 +113,7 @@ def lr_at(step, base, log=print):
 
 
 def test_source_meaning_ignores_comments_docstrings_and_messages():
-    from dflashpipe.codedeps import source_meaning
+    from dflashpipe.jobs.codedeps import source_meaning
 
     base = source_meaning(SOURCE)
     same = [
@@ -143,7 +143,7 @@ def test_code_digest_of_the_training_code_ignores_a_reworded_log_line(tmp_path):
     import re
     import shutil
 
-    from dflashpipe.codedeps import meaning_digest
+    from dflashpipe.jobs.codedeps import meaning_digest
 
     root = tmp_path / "dflashpipe"
     shutil.copytree(REPO / "workflow" / "dflashpipe", root, ignore=shutil.ignore_patterns("__pycache__"))
@@ -168,7 +168,7 @@ def _package(root: Path, files: dict[str, str]) -> Path:
 
 
 def _digest(pkg: Path, top: str) -> str:
-    from dflashpipe.codedeps import meaning_digest
+    from dflashpipe.jobs.codedeps import meaning_digest
 
     return meaning_digest(module_closure(pkg, [top]), pkg)
 
@@ -213,7 +213,7 @@ def test_the_digest_sees_a_real_change_anywhere_and_which_module_is_imported(tmp
 
 
 def test_two_files_of_the_same_meaning_count_twice(tmp_path):
-    from dflashpipe.codedeps import meaning_digest
+    from dflashpipe.jobs.codedeps import meaning_digest
 
     pkg = _package(tmp_path, {"a.py": HELPERS, "b.py": "# the same\n" + HELPERS})
     one, two = [str(pkg / "a.py")], [str(pkg / "a.py"), str(pkg / "b.py")]

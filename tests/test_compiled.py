@@ -79,7 +79,7 @@ def test_compiled_loss_chunks_match_eager_with_a_padded_last_chunk():
 
 
 def test_compiled_target_layers_and_trimming_keep_the_features(micro_target):
-    from dflashpipe.target import load_target
+    from dflashpipe.inputs.target import load_target
 
     target, _ = load_target(str(micro_target))
     ids = torch.randint(5, target.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))

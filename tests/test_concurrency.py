@@ -217,9 +217,9 @@ def finished_run(random_target, tmp_path):
     import shutil
 
     from conftest import PROMPTS
-    from dflashpipe.data import prepare_prompts
     from dflashpipe.drafter.export import save_drafter
-    from dflashpipe.target import load_target
+    from dflashpipe.inputs.data import prepare_prompts
+    from dflashpipe.inputs.target import load_target
 
     run = tmp_path / "results"
     shutil.copytree(random_target, run / "target" / "model")

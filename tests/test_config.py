@@ -5,7 +5,7 @@ import yaml
 
 from conftest import REPO, mini_config
 from dflashpipe.config import validate_config
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.errors import UserError
 
 SCHEMA = str(REPO / "workflow/schemas/config.schema.yaml")
 

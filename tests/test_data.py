@@ -4,8 +4,8 @@ import json
 import pandas as pd
 import pytest
 
-from dflashpipe.data import load_table, normalize, prepare_prompts
-from dflashpipe.errors import UserError
+from dflashpipe.inputs.data import load_table, normalize, prepare_prompts
+from dflashpipe.jobs.errors import UserError
 
 
 def write_jsonl(path, rows):
@@ -180,7 +180,7 @@ def test_chat_that_fits_no_format_names_the_row(tmp_path):
 
 
 def test_dataset_format_key_is_checked_by_the_config_schema():
-    from dflashpipe.config import load_schema
+    from dflashpipe.jobs.settings import load_schema
 
     props = load_schema()["properties"]["datasets"]["additionalProperties"]["properties"]
     assert props["format"]["enum"] == ["auto", "openai", "sharegpt"] and "default" not in props["format"]

@@ -12,7 +12,7 @@ from dflashpipe.drafter.card import model_card
 from dflashpipe.drafter.export import load_drafter, save_drafter
 from dflashpipe.drafter.masks import block_position_ids, dense_mask
 from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig, expected_state_shapes
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.errors import UserError
 
 torch.set_num_threads(1)
 
@@ -475,8 +475,8 @@ def spec_target(tmp_path_factory):
 def fit_drafter(target, cfg, steps: int = 60) -> DFlashDrafter:
     """Fit a drafter (float64) to the target's greedy continuations of the first two prompts, so that some
     drafts are accepted and some are not."""
-    from dflashpipe.drafter.masks import build_block_inputs
     from dflashpipe.decode.speculative import ARDecoder
+    from dflashpipe.drafter.masks import build_block_inputs
 
     torch.manual_seed(1)
     drafter = DFlashDrafter(cfg).to(torch.float64)

@@ -20,7 +20,7 @@ from dflashpipe.drafter.model import (
     default_target_layer_ids,
     expected_state_shapes,
 )
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.errors import UserError
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

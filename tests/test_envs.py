@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from conftest import REPO
-from dflashpipe.codedeps import script_closure
+from dflashpipe.jobs.codedeps import script_closure
 
 LIB = REPO / "workflow" / "dflashpipe"
 RULES = REPO / "workflow" / "rules"

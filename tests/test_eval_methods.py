@@ -14,9 +14,10 @@ import pytest
 import yaml
 
 from conftest import REPO, mini_config
-from dflashpipe.config import SCHEMA_PATH, load_schema, validate_config
+from dflashpipe.config import validate_config
 from dflashpipe.evaluate.methods import AR_DRAFT, BY_NAME, DEFAULT_METHODS, DRAFTER, METHODS, NAMES, REFERENCE, select
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.errors import UserError
+from dflashpipe.jobs.settings import SCHEMA_PATH, load_schema
 from dflashpipe.wiring import Pipeline
 
 
@@ -91,7 +92,7 @@ def test_the_workflow_reads_the_registry():
 def test_the_plot_labels_every_method(tmp_path, monkeypatch):
     import pandas as pd
 
-    from dflashpipe import plots
+    from dflashpipe.stages import plots
 
     rows = [{"dataset": "d", "method": m.name, "tokens_per_target_forward": 1.5, "speedup_vs_ar": 1.2, "simulated_tau": None}
             for m in METHODS]

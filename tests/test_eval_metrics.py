@@ -95,7 +95,7 @@ def test_the_uncut_tau_columns_are_named_by_what_they_count_and_old_summaries_st
     written under the old names (tau_authors_*) still gives the table's columns."""
     import json
 
-    from dflashpipe.tables import EVAL_COLUMNS, eval_tables
+    from dflashpipe.stages.tables import EVAL_COLUMNS, eval_tables
 
     assert {"tau_uncut_mean", "tau_uncut_pooled"} <= set(EVAL_COLUMNS) and not any("authors" in c for c in EVAL_COLUMNS)
     old = {"methods": {"dflash": {"tau_mean": 2.5, "tau_pooled": 2.6, "tau_authors_mean": 2.9, "tau_authors_pooled": 3.0}}}

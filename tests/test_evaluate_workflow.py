@@ -43,8 +43,8 @@ def test_plotting_code_edit_does_not_rerun_training(mini_run):
     def planned(module):
         return planned_after_edit(work, cfg, module)
 
-    assert planned("plots.py") == {"plots", "all"}
-    assert planned("tables.py") == {"tables", "plots", "all"}
+    assert planned("stages/plots.py") == {"plots", "all"}
+    assert planned("stages/tables.py") == {"tables", "plots", "all"}
     assert planned("decode/speculative.py") == {"evaluate", "tables", "plots", "all"}
 
 

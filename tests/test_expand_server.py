@@ -26,11 +26,11 @@ import pandas as pd
 import pytest
 
 from conftest import PROMPTS
-from dflashpipe.data import prepare_prompts
-from dflashpipe.errors import UserError
-from dflashpipe.expand import ExpandSettings, expand_prompts
-from dflashpipe.expand_openai import OpenAIClient, ServerSettings
-from dflashpipe.tokenize import encode_chat, tokenize_expanded
+from dflashpipe.inputs.data import prepare_prompts
+from dflashpipe.inputs.tokenize import encode_chat, tokenize_expanded
+from dflashpipe.jobs.errors import UserError
+from dflashpipe.stages.expand import ExpandSettings, expand_prompts
+from dflashpipe.stages.expand_openai import OpenAIClient, ServerSettings
 
 SETTINGS = dict(max_new_tokens=24, batch_size=1, chunk_size=3, temperature=0.0)
 N_PROMPTS = 6
@@ -144,8 +144,8 @@ def test_server_expansion_matches_the_embedded_backend(server, served_target, pr
 def test_finished_chunks_are_reused_whatever_the_server_url(server, served_target, prompts, tmp_path):
     """The server's keys are operational: chunks written through one url are kept when the job is resumed
     through another spelling of it (no trailing /v1), and the result equals an uninterrupted run."""
-    from dflashpipe.expand import _file_digest, decoder_identity, decoding_code_digest
-    from dflashpipe.target import target_fingerprint
+    from dflashpipe.inputs.target import target_fingerprint
+    from dflashpipe.stages.expand import _file_digest, decoder_identity, decoding_code_digest
 
     settings = ExpandSettings(**SETTINGS, backend="openai")
     ref = tmp_path / "ref.parquet"
@@ -270,7 +270,7 @@ def test_generated_ids_replace_a_reply_that_retokenizes_differently(micro_target
 def test_server_settings_defaults_agree_with_the_schema():
     import dataclasses
 
-    from dflashpipe.config import load_schema
+    from dflashpipe.jobs.settings import load_schema
 
     props = load_schema()["properties"]["expand"]["properties"]["server"]["properties"]
     fields = {f.name: f.default for f in dataclasses.fields(ServerSettings)}

@@ -12,10 +12,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from conftest import PROMPTS, REPO
-from dflashpipe.data import prepare_prompts
-from dflashpipe.errors import UserError
-from dflashpipe.expand import ExpandSettings, expand_prompts
-from dflashpipe.tokenize import bucket_for, encode_chat, tokenize_expanded
+from dflashpipe.inputs.data import prepare_prompts
+from dflashpipe.inputs.tokenize import bucket_for, encode_chat, tokenize_expanded
+from dflashpipe.jobs.errors import UserError
+from dflashpipe.stages.expand import ExpandSettings, expand_prompts
 
 SETTINGS = dict(max_new_tokens=24, batch_size=4, chunk_size=4, temperature=1.0, seed=3)
 
@@ -52,7 +52,7 @@ def test_killed_expansion_resumes_from_its_chunks(prompts, micro_target, tmp_pat
     out = tmp_path / "killed.parquet"
     code = (
         "import sys; sys.path.insert(0, %r)\n"
-        "from dflashpipe.expand import ExpandSettings, expand_prompts\n"
+        "from dflashpipe.stages.expand import ExpandSettings, expand_prompts\n"
         "expand_prompts(%r, %r, ExpandSettings(**%r), %r, log=print)\n"
     ) % (str(REPO / "workflow"), str(prompts), str(micro_target), slow, str(out))
     proc = subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, OMP_NUM_THREADS="1"),
@@ -148,8 +148,8 @@ def test_unusable_prompts_are_counted_not_generated_and_damaged_files_are_one_li
     # a damaged chunk left by an interrupted expansion is made again
     from dataclasses import asdict
 
-    from dflashpipe.expand import _file_digest, decoder_identity, decoding_code_digest
-    from dflashpipe.target import target_fingerprint
+    from dflashpipe.inputs.target import target_fingerprint
+    from dflashpipe.stages.expand import _file_digest, decoder_identity, decoding_code_digest
 
     run_expand(tmp_path / "p.parquet", micro_target, tmp_path / "ref.parquet", chunk_size=1)
     settings = ExpandSettings(**{**SETTINGS, "chunk_size": 1})
@@ -170,7 +170,7 @@ def test_unusable_prompts_are_counted_not_generated_and_damaged_files_are_one_li
 def test_shard_without_prompts_writes_an_empty_output_and_merges(micro_target, tmp_path):
     """More shards than prompts (config/qwen3_8b_8gpu.yaml's 8 shards on a small dataset): the empty shard
     loads no model and writes an output with the usual columns; the merge has every prompt once."""
-    from dflashpipe.shards import merge_shards
+    from dflashpipe.stages.shards import merge_shards
 
     prompts = tmp_path / "p.parquet"
     prepare_prompts({"path": str(PROMPTS / "math_train.jsonl.gz"), "messages_column": "messages", "limit": 2}, "math",
@@ -192,7 +192,7 @@ def test_chunks_of_another_decoder_or_code_are_not_resumed(prompts, micro_target
     """The chunks' identity holds the backend `auto` resolves to, its device and dtype, and a digest of the
     decoding code: chunks written before a decoder fix, or by another backend/dtype (a GPU->CPU move), are
     discarded on resume, not mixed with new ones."""
-    import dflashpipe.expand as expand
+    import dflashpipe.stages.expand as expand
 
     settings = ExpandSettings(**SETTINGS)  # backend auto: embedded on the CPU, 3 chunks of 4
     assert expand.decoder_identity(str(micro_target), settings, "cpu") == {"backend": "embedded", "device": "cpu",

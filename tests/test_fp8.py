@@ -17,8 +17,8 @@ from torch import nn
 from dflashpipe.drafter.features import context_features
 from dflashpipe.drafter.fp8 import FP8, Fp8Linear, check_fp8_device, quantize_decoder_linears
 from dflashpipe.drafter.train import TrainConfig, build, train_rank
-from dflashpipe.errors import UserError
-from dflashpipe.target import load_target
+from dflashpipe.inputs.target import load_target
+from dflashpipe.jobs.errors import UserError
 
 from test_train import BASE, quiet, rank_args, read_metrics
 

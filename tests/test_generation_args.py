@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from conftest import PROMPTS
-from dflashpipe.data import prepare_prompts
-from dflashpipe.expand import ExpandSettings, expand_prompts
-from dflashpipe.target import describe_neutralised, generation_arguments
+from dflashpipe.inputs.data import prepare_prompts
+from dflashpipe.inputs.target import describe_neutralised, generation_arguments
+from dflashpipe.stages.expand import ExpandSettings, expand_prompts
 
 torch.set_num_threads(1)
 

@@ -26,10 +26,10 @@ from dflashpipe.evaluate.hf_assistant import (
     load_hf_assistant,
     unavailable_reason,
 )
+from dflashpipe.decode.speculative import ARDecoder, DFlashDecoder
 from dflashpipe.drafter.masks import block_position_ids, build_block_inputs, dense_mask
 from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
 from dflashpipe.evaluate.baselines import hf_dflash_generate
-from dflashpipe.decode.speculative import ARDecoder, DFlashDecoder
 
 torch.set_num_threads(1)
 pytestmark = [
@@ -171,7 +171,7 @@ def test_evaluator_runs_hf_dflash_or_records_why_not(micro_target, tmp_path, mon
     from conftest import read_jsonl_gz
     from dflashpipe.evaluate.run import evaluate_dataset
     from dflashpipe.evaluate.settings import EvalRun, EvalSettings
-    from dflashpipe.target import load_target
+    from dflashpipe.inputs.target import load_target
 
     tgt, tok = load_target(str(micro_target))
     cfg = DrafterConfig.from_target_config(tgt.config, num_hidden_layers=1, block_size=BS,

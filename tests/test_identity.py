@@ -84,7 +84,7 @@ def _big_target(tmp_path, seed: int):
 
 
 def test_a_fine_tune_swapped_into_the_target_directory_is_another_target(tmp_path):
-    from dflashpipe.target import target_fingerprint
+    from dflashpipe.inputs.target import target_fingerprint
 
     d, w = _big_target(tmp_path, 0)
     before, st = target_fingerprint(str(d)), w.stat()
@@ -104,8 +104,8 @@ def test_a_fine_tune_swapped_into_the_target_directory_is_another_target(tmp_pat
 def test_big_files_are_read_once_per_version(tmp_path, monkeypatch):
     import json
 
-    from dflashpipe.filedigest import ENV, file_digest
-    from dflashpipe.target import target_fingerprint
+    from dflashpipe.inputs.target import target_fingerprint
+    from dflashpipe.jobs.filedigest import ENV, file_digest
 
     cache = tmp_path / "results" / ".cache" / "file-digests.json"
     monkeypatch.setenv(ENV, str(cache))

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from dflashpipe import lease as L
-from dflashpipe.errors import UserError
+from dflashpipe.jobs import compile_cache
+from dflashpipe.jobs import lease as L
+from dflashpipe.jobs.errors import UserError
 
 PY = sys.executable
 
@@ -32,7 +33,7 @@ def _env(**extra):
 def _spawn_holder(lock_dir: Path, n_slots: int, slot: int | None = None, hold_s: float = 60.0, via_cli: bool = False):
     """Start a process that leases a slot, prints 'ready <slot>' and sleeps; return (proc, slot)."""
     if via_cli:
-        cmd = [PY, "-m", "dflashpipe.lease", "--lock-dir", str(lock_dir), "--slots", str(n_slots)]
+        cmd = [PY, "-m", "dflashpipe.jobs.lease", "--lock-dir", str(lock_dir), "--slots", str(n_slots)]
         if slot is not None:
             cmd += ["--slot", str(slot)]
         code = f"import os, time; print('ready', os.environ['DFLASH_SLOT'], flush=True); time.sleep({hold_s})"
@@ -40,7 +41,7 @@ def _spawn_holder(lock_dir: Path, n_slots: int, slot: int | None = None, hold_s:
     else:
         code = textwrap.dedent(f"""
             import time
-            from dflashpipe.lease import acquire_slot
+            from dflashpipe.jobs.lease import acquire_slot
             l = acquire_slot({str(lock_dir)!r}, {n_slots}, slot={slot!r}, timeout_s=10)
             print('ready', l.slot, flush=True)
             time.sleep({hold_s})
@@ -82,7 +83,7 @@ def test_free_slots_taken_in_order_and_held_slot_skipped(tmp_path):
 def test_processes_never_share_a_slot(tmp_path):
     code = textwrap.dedent("""
         import json, sys, time
-        from dflashpipe.lease import acquire_slot
+        from dflashpipe.jobs.lease import acquire_slot
         with acquire_slot(sys.argv[1], 2, timeout_s=30, poll_s=0.01) as l:
             t0 = time.time(); time.sleep(0.15); t1 = time.time()
         print(json.dumps([l.slot, t0, t1]))
@@ -146,7 +147,7 @@ def test_timeout_is_one_line_user_error_naming_holders(tmp_path):
 def test_cli_timeout_exits_1_with_one_line(tmp_path):
     h, _ = _spawn_holder(tmp_path, 1, slot=0)
     try:
-        r = subprocess.run([PY, "-m", "dflashpipe.lease", "--lock-dir", str(tmp_path), "--slots", "1",
+        r = subprocess.run([PY, "-m", "dflashpipe.jobs.lease", "--lock-dir", str(tmp_path), "--slots", "1",
                             "--timeout", "0.2", "--", "true"], capture_output=True, text=True, env=_env(), timeout=30)
         assert r.returncode == 1
         assert r.stderr.startswith("ERROR: ") and r.stderr.count("\n") == 1
@@ -251,12 +252,12 @@ def test_on_a_cpu_machine_any_slot_jobs_share_the_cpu_and_slot_jobs_still_lock(t
 def test_cli_exec_keeps_lease_and_child_adopts_it(tmp_path):
     code = textwrap.dedent(f"""
         import json, os
-        from dflashpipe.lease import lease_device, slot_holders
+        from dflashpipe.jobs.lease import lease_device, slot_holders
         d = lease_device({str(tmp_path)!r}, 2, timeout_s=0.5)
         print(json.dumps([os.getpid(), d.slot, d.lease.adopted, os.environ['DFLASH_SLOT'],
                           slot_holders({str(tmp_path)!r}, 2)[0]]))
     """)
-    r = subprocess.run([PY, "-m", "dflashpipe.lease", "--lock-dir", str(tmp_path), "--slots", "2", "--", PY, "-c", code],
+    r = subprocess.run([PY, "-m", "dflashpipe.jobs.lease", "--lock-dir", str(tmp_path), "--slots", "2", "--", PY, "-c", code],
                        capture_output=True, text=True, env=_env(), timeout=30)
     assert r.returncode == 0, r.stderr
     pid, slot, adopted, env_slot, holder0 = json.loads(r.stdout)
@@ -271,7 +272,7 @@ rule all:
 rule job:
     output: "out/{i}.json"
     resources: gpu=1
-    shell: '"{config[py]}" -m dflashpipe.lease --lock-dir locks --slots 3 --timeout 60 --poll 0.02 -- "{config[py]}" record.py {output}'
+    shell: '"{config[py]}" -m dflashpipe.jobs.lease --lock-dir locks --slots 3 --timeout 60 --poll 0.02 -- "{config[py]}" record.py {output}'
 """
 
 RECORD = """
@@ -309,12 +310,12 @@ def test_a_gpu_job_compiles_into_its_leased_slots_cache_and_a_cpu_job_keeps_the_
         monkeypatch.delenv(key, raising=False)
     config = {"results": str(tmp_path / "results")}
     on_cpu = types.SimpleNamespace(slot=None, device="cpu")
-    assert L.use_leased_slot_cache(config, on_cpu, log=None) is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert compile_cache.use_leased_slot_cache(config, on_cpu, log=None) is None and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
     on_gpu = types.SimpleNamespace(slot=2, device="cuda:0")  # the job's one visible GPU is slot 2's
     said = []
-    env = L.use_leased_slot_cache(config, on_gpu, said.append)
+    env = compile_cache.use_leased_slot_cache(config, on_gpu, said.append)
     assert said and "slot 2's" in said[0]
-    root = (tmp_path / "results" / L.COMPILE_CACHE / "slot2").resolve()
-    assert env == L.slot_cache_dirs(tmp_path / "results" / L.COMPILE_CACHE, 2)
+    root = (tmp_path / "results" / compile_cache.COMPILE_CACHE / "slot2").resolve()
+    assert env == compile_cache.slot_cache_dirs(tmp_path / "results" / compile_cache.COMPILE_CACHE, 2)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor") and (root / "inductor").is_dir()
     assert os.environ["TRITON_CACHE_DIR"] == str(root / "triton") and (root / "triton").is_dir()

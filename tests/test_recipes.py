@@ -8,7 +8,7 @@ from dflashpipe.drafter.heldout import acceptance_sums
 from dflashpipe.drafter.loss import Objective, block_loss, selector_loss
 from dflashpipe.drafter.masks import block_mask, block_position_ids, build_block_inputs, dense_mask, dpace_weights
 from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig, _grouped_causal_conv, expected_state_shapes
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.errors import UserError
 
 from test_drafter_model import H, V, make_batch, tiny_cfg
 

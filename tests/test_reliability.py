@@ -2,7 +2,7 @@
 
 Each test works on a private copy of the mini run (conftest.mini_copy: K=2 gloo shards on CPU,
 6 steps, a checkpoint every 2) and compares with the mini run itself, which is the uninterrupted
-reference. Faults are injected with DFLASH_FAULTS (dflashpipe.faults): a rank parks at a known
+reference. Faults are injected with DFLASH_FAULTS (dflashpipe.jobs.faults): a rank parks at a known
 step so the test can SIGKILL the whole Snakemake process group, a rank is killed, or the export
 hits a full disk. Same code, config and K on the CPU in fp32 give the same numbers, so a resumed
 run must match the reference to 1e-6; another K changes only the summation order of the gradient
@@ -397,8 +397,8 @@ def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path):
 def test_the_wall_clock_safety_stop_fails_the_job_instead_of_passing_on_a_cut_model(micro_target):
     from transformers import AutoTokenizer
 
-    from dflashpipe.errors import UserError
-    from dflashpipe.tiny_target import TinyTargetConfig, build_model, train_lm
+    from dflashpipe.inputs.tiny_target import TinyTargetConfig, build_model, train_lm
+    from dflashpipe.jobs.errors import UserError
 
     tok = AutoTokenizer.from_pretrained(str(micro_target))
     cfg = TinyTargetConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,

@@ -4,16 +4,16 @@ round, fails here instead of at run time."""
 
 import pytest
 
-from dflashpipe.config import on_server, schema_enum
+from dflashpipe.jobs.settings import on_server, schema_enum
 
 
 def _twins():
-    from dflashpipe.data import CHAT_FORMATS
     from dflashpipe.decode.speculative import TARGET_STEPS
     from dflashpipe.drafter.export import ARCHITECTURES
     from dflashpipe.drafter.model import ARCHS, COMPILE_MODES, LAYER_TYPES
-    from dflashpipe.expand import BACKENDS, DECODE_STEPS
-    from dflashpipe.tokenize import CUT_REPLIES
+    from dflashpipe.inputs.data import CHAT_FORMATS
+    from dflashpipe.inputs.tokenize import CUT_REPLIES
+    from dflashpipe.stages.expand import BACKENDS, DECODE_STEPS
 
     return {
         "datasets.*.format": CHAT_FORMATS,

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from dflashpipe.config import load_schema, schema_settings, settings
 from dflashpipe.drafter.train import TrainConfig
 from dflashpipe.evaluate.ar_draft import ARDraftConfig
 from dflashpipe.evaluate.settings import EvalSettings
-from dflashpipe.expand import ExpandSettings
-from dflashpipe.expand_openai import ServerSettings
-from dflashpipe.tiny_target import TinyTargetConfig
+from dflashpipe.inputs.tiny_target import TinyTargetConfig
+from dflashpipe.jobs.settings import load_schema, schema_settings, settings
+from dflashpipe.stages.expand import ExpandSettings
+from dflashpipe.stages.expand_openai import ServerSettings
 
 # (settings class, the config sections it takes, the keys of those sections the job reads itself)
 SETTINGS = [
@@ -134,7 +134,8 @@ def test_schema_settings_take_the_schema_defaults_and_refuse_fields_it_lacks():
 def test_settings_refuse_a_key_they_do_not_take(tmp_path):
     from conftest import mini_config
 
-    from dflashpipe.config import SCHEMA_PATH, validate_config
+    from dflashpipe.config import validate_config
+    from dflashpipe.jobs.settings import SCHEMA_PATH
 
     config = validate_config(mini_config(), str(SCHEMA_PATH))
     cfg = settings(TrainConfig, config["drafter"], config["train"], seed=config["seed"])  # threads, shards: the job's
@@ -174,7 +175,7 @@ def test_config_readme_documents_every_key_once_in_its_section():
 def test_config_readme_says_what_a_train_key_reruns_as_the_schema_marks_it():
     """The `train` section's three lists (warm chain, training only, nothing) follow the x-compile and
     x-operational marks."""
-    from dflashpipe.config import compile_keys, operational_keys
+    from dflashpipe.jobs.settings import compile_keys, operational_keys
 
     text = (REPO / "config" / "README.md").read_text()
     part = text[text.index("What a change reruns"):text.index("Either way evaluation")]

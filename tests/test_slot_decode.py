@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from conftest import PROMPTS
-from dflashpipe.data import prepare_prompts
-from dflashpipe.expand import ExpandSettings, expand_prompts
 from dflashpipe.decode.slots import SlotDecoder, unsupported_reason
+from dflashpipe.inputs.data import prepare_prompts
+from dflashpipe.stages.expand import ExpandSettings, expand_prompts
 
 torch.set_num_threads(1)
 

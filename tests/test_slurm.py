@@ -191,7 +191,7 @@ def test_a_killed_node_fails_the_job_in_one_line_and_the_rerun_resumes(slurm, mi
 def test_several_nodes_outside_an_allocation_is_one_line(monkeypatch):
     """train.nodes above 1 without SLURM: the training job stops before it leases or starts anything."""
     from dflashpipe.drafter.launch import allocation
-    from dflashpipe.errors import UserError
+    from dflashpipe.jobs.errors import UserError
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     with pytest.raises(UserError) as err:

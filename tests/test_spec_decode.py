@@ -14,12 +14,12 @@ import pandas as pd
 import pytest
 import torch
 
+from dflashpipe.decode.speculative import ARDecoder, DecodeResult, DFlashDecoder, eos_ids_of
 from dflashpipe.drafter.export import load_drafter, save_drafter
 from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
-from dflashpipe.decode.speculative import ARDecoder, DecodeResult, DFlashDecoder, eos_ids_of
-from dflashpipe.errors import UserError
 from dflashpipe.evaluate.lossless import check_lossless, default_tie_tolerance, logit_gap
-from dflashpipe.target import load_target
+from dflashpipe.inputs.target import load_target
+from dflashpipe.jobs.errors import UserError
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -62,7 +62,7 @@ def micro(micro_target, tmp_path_factory):
 def sharp_target(micro_target):
     from transformers import AutoTokenizer
 
-    from dflashpipe.tiny_target import TinyTargetConfig, build_model
+    from dflashpipe.inputs.tiny_target import TinyTargetConfig, build_model
 
     tok = AutoTokenizer.from_pretrained(str(micro_target))
     target = build_model(

@@ -14,9 +14,9 @@ import torch
 import yaml
 
 from conftest import PROMPTS, planned_rules, snakemake
-from dflashpipe.errors import UserError
-from dflashpipe.target import resolve_mask_token
-from dflashpipe.tokenize import encode_chat, loop_start, tokenize_expanded
+from dflashpipe.inputs.target import resolve_mask_token
+from dflashpipe.inputs.tokenize import encode_chat, loop_start, tokenize_expanded
+from dflashpipe.jobs.errors import UserError
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -122,8 +122,8 @@ def test_loop_start_finds_where_a_reply_starts_repeating():
 
 
 def test_cut_replies_rules_are_the_schemas():
-    from dflashpipe.config import load_schema
-    from dflashpipe.tokenize import CUT_REPLIES
+    from dflashpipe.inputs.tokenize import CUT_REPLIES
+    from dflashpipe.jobs.settings import load_schema
 
     assert list(CUT_REPLIES) == load_schema()["properties"]["tokenize"]["properties"]["cut_replies"]["enum"]
 
@@ -170,10 +170,10 @@ STRICT = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 
 def test_a_chat_template_that_refuses_a_conversation_is_one_line_naming_the_row(micro_target, tmp_path):
     """A ShareGPT file with a system turn, a target whose template only alternates user/assistant: the
     expansion stops before it loads the model, and the evaluation before it decodes, with one line each."""
-    from dflashpipe.data import prepare_prompts
     from dflashpipe.evaluate.run import encode_prompt
-    from dflashpipe.expand import ExpandSettings, expand_prompts
-    from dflashpipe.target import load_tokenizer
+    from dflashpipe.inputs.data import prepare_prompts
+    from dflashpipe.inputs.target import load_tokenizer
+    from dflashpipe.stages.expand import ExpandSettings, expand_prompts
 
     target = make_target(tmp_path / "strict", micro_target, "qwen3", template=STRICT, mask="<|mask|>")
     rows = [{"id": "ok", "conversations": [{"from": "human", "value": "2+2?"}]},

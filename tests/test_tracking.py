@@ -18,8 +18,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from dflashpipe.drafter.checkpoint import run_identity
 from dflashpipe.drafter.train import TrainConfig, train_rank
-from dflashpipe.errors import UserError
-from dflashpipe.tracking import STEP_GROUPS, tag_for, tracking_dirs
+from dflashpipe.jobs.errors import UserError
+from dflashpipe.jobs.tracking import STEP_GROUPS, tag_for, tracking_dirs
 
 
 def scalars(tb_dir: Path) -> dict[str, dict[int, float]]:
@@ -103,8 +103,9 @@ def test_tracking_settings_are_operational(micro_target, micro_tokenized, tmp_pa
     code digest; with TensorBoard off nothing is written."""
     from conftest import mini_config
 
-    from dflashpipe.config import SCHEMA_PATH, result_params, validate_config
-    from dflashpipe.hotstart import train_step_code_files
+    from dflashpipe.config import validate_config
+    from dflashpipe.jobs.hotstart import train_step_code_files
+    from dflashpipe.jobs.settings import SCHEMA_PATH, result_params
 
     on = TrainConfig(**BASE, max_steps=1)
     off = dataclasses.replace(on, tensorboard=False, wandb=True, wandb_project="elsewhere")
@@ -113,7 +114,7 @@ def test_tracking_settings_are_operational(micro_target, micro_tokenized, tmp_pa
     cfg["train"]["wandb"] = True
     validate_config(cfg, str(SCHEMA_PATH))
     assert cfg["train"]["tensorboard"] is True and {"tensorboard", "wandb", "wandb_project"}.isdisjoint(result_params(cfg, "train"))
-    assert not any(f.endswith("tracking.py") for f in train_step_code_files())
+    assert not any(f.endswith("jobs/tracking.py") for f in train_step_code_files())
 
     quiet_cfg = dataclasses.replace(on, tensorboard=False)
     a = rank_args(tmp_path, quiet_cfg, micro_tokenized, micro_target, 0, 1, "rdzv", "off")

@@ -29,14 +29,14 @@ from dflashpipe.drafter.data import epoch_batches, heldout_split, rank_slice
 from dflashpipe.drafter.features import context_features
 from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
 from dflashpipe.drafter.train import TrainConfig, TrainRun, train_rank
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.errors import UserError
 
 torch.set_num_threads(1)
 
 # Tiny but complete: 1 drafter layer, blocks of 4, 8 anchors per sequence; 4 sequences per step.
 BASE = dict(num_layers=1, block_size=4, num_anchors=8, heldout_samples=8, lr=3e-3, seed=0, batch_size=4)
 
-# A rank in its own process, as the launcher runs it. Faults (see dflashpipe.faults) park or kill it.
+# A rank in its own process, as the launcher runs it. Faults (see dflashpipe.jobs.faults) park or kill it.
 RUNNER = r"""
 import json, sys
 import torch
@@ -244,7 +244,7 @@ def test_missing_peer_is_a_one_line_error(micro_target, micro_tokenized, tmp_pat
 
 
 def test_context_features_fast_path_matches_hidden_states(micro_target):
-    from dflashpipe.target import load_target
+    from dflashpipe.inputs.target import load_target
 
     target, _ = load_target(str(micro_target))
     g = torch.Generator().manual_seed(0)

@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 
 from conftest import REPO, mini_config, planned_rules, snakemake, write_config
-from dflashpipe.errors import UserError
-from dflashpipe.hotstart import check_stamp, fingerprint_parts
+from dflashpipe.jobs.errors import UserError
+from dflashpipe.jobs.hotstart import check_stamp, fingerprint_parts
 
 
 def dag_edges(workdir, *args):
@@ -108,7 +108,7 @@ def test_drafter_config_change_invalidates_stamps_but_lr_does_not(mini_run):
 def test_operational_settings_rerun_nothing(mini_run):
     """Every key the schema marks x-operational (and not x-compile) is read at run time: a new value of
     each, all at once, plans no job. The list comes from the schema, not from this test."""
-    from dflashpipe.config import load_schema
+    from dflashpipe.jobs.settings import load_schema
 
     work, _ = mini_run
     cfg = mini_config()
@@ -165,7 +165,7 @@ def _change_result_keys(section: dict, values: dict) -> list[str]:
 def test_result_settings_rerun_exactly_the_dependent_jobs(mini_run, section, dependent):
     """Every result-changing key of a section (from the schema), all changed at once: the jobs that
     read the section and those downstream are planned, nothing upstream or beside them."""
-    from dflashpipe.config import load_schema, result_params
+    from dflashpipe.jobs.settings import load_schema, result_params
 
     work, _ = mini_run
     cfg = mini_config()
@@ -194,7 +194,7 @@ def test_check_stamp_names_the_stale_part(tmp_path):
     parts = fingerprint_parts({"buckets": [128]}, "cpu")
     with pytest.raises(UserError, match="stamp missing"):
         check_stamp(str(tmp_path / "none.json"), parts)
-    from dflashpipe.hotstart import fingerprint
+    from dflashpipe.jobs.hotstart import fingerprint
 
     good = {"fingerprint": fingerprint(parts), "parts": parts}
     (tmp_path / "s.json").write_text(json.dumps(good))
@@ -233,8 +233,8 @@ def test_the_gpu_count_comes_from_the_command_and_another_one_remakes_the_warm_c
 
 
 def test_next_slot_cache_is_seeded_from_the_previous_one(tmp_path):
-    from dflashpipe.hotstart import seed_slot_cache
-    from dflashpipe.lease import slot_cache_dirs
+    from dflashpipe.jobs.compile_cache import seed_slot_cache
+    from dflashpipe.jobs.compile_cache import slot_cache_dirs
 
     prev, mine = slot_cache_dirs(tmp_path, 0), slot_cache_dirs(tmp_path, 1)
     for key, name in (("TORCHINDUCTOR_CACHE_DIR", "fxgraph/ab/entry"), ("TRITON_CACHE_DIR", "KX/kernel.cubin")):

@@ -52,15 +52,15 @@ def test_code_edit_reruns_exactly_its_stages(mini_run, tmp_path):
     # what follows training (its output changes) and what follows tokenize (the AR draft peer)
     training = {"warm_slot", "train", "export", "evaluate", "tables", "plots", "all"}
     data = {"tokenize", "ar_draft"} | training
-    assert planned("hotstart.py") == training
+    assert planned("jobs/hotstart.py") == training
     assert planned("drafter/loss.py") == training
-    assert planned("tokenize.py") == data
-    assert planned("expand.py") == {"expand_shard", "merge_expanded"} | data
+    assert planned("inputs/tokenize.py") == data
+    assert planned("stages/expand.py") == {"expand_shard", "merge_expanded"} | data
     assert planned("decode/slots.py") == {"expand_shard", "merge_expanded"} | data  # the batched backend
-    assert planned("tiny_target.py") == {"tiny_target", "expand_shard", "merge_expanded"} | data
-    assert planned("data.py") == {"prompts", "tiny_target", "expand_shard", "merge_expanded"} | data
+    assert planned("inputs/tiny_target.py") == {"tiny_target", "expand_shard", "merge_expanded"} | data
+    assert planned("inputs/data.py") == {"prompts", "tiny_target", "expand_shard", "merge_expanded"} | data
     assert planned("../scripts/tokenize.py") == data  # a stage's script: by meaning too
-    assert planned("errors.py", "\n# a comment\n") == set()
+    assert planned("jobs/errors.py", "\n# a comment\n") == set()
     assert planned("../scripts/train.py", "\n# a comment\n") == set()  # not dated: digested (profiles/default)
 
 
@@ -170,7 +170,7 @@ def test_moving_library_modules_reruns_nothing(mini_copy, tmp_path):
     anything, out = planned()
     assert not anything, out[-2000:]
     # a real change still reruns its stage, the code in its new place
-    tok = next(lib.rglob("tokenize.py"))
+    tok = next(lib.rglob("inputs/tokenize.py"))
     tok.write_text(tok.read_text() + CODE_EDIT)
     anything, out = planned()
     assert anything and "tokenize" in out, out[-2000:]

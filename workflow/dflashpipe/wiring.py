@@ -16,11 +16,11 @@ import importlib.metadata
 import os
 from pathlib import Path
 
-from dflashpipe.codedeps import script_digest
-from dflashpipe.config import canonical, compile_keys, on_server, result_params
 from dflashpipe.evaluate.methods import METHODS, needs_ar_draft
-from dflashpipe.lease import COMPILE_CACHE
-from dflashpipe.target import write_target_id
+from dflashpipe.inputs.target import write_target_id
+from dflashpipe.jobs.codedeps import script_digest
+from dflashpipe.jobs.compile_cache import COMPILE_CACHE
+from dflashpipe.jobs.settings import canonical, compile_keys, on_server, result_params
 
 
 class Paths:
@@ -126,7 +126,7 @@ class Pipeline:
     def code(self, script: str) -> str:
         """What the stage's script and the library modules it imports (transitively) mean: a param, so
         that a change to them reruns the stage, and a comment, a docstring, a log message or a module's
-        move to another folder or name does not (:mod:`dflashpipe.codedeps`)."""
+        move to another folder or name does not (:mod:`dflashpipe.jobs.codedeps`)."""
         return script_digest(self.lib, self.scripts / script)
 
     # -- datasets ---------------------------------------------------------------------

@@ -9,10 +9,10 @@ from pathlib import Path
 REPO = Path(workflow.basedir)
 sys.path.insert(0, str(REPO / "workflow"))
 
-from dflashpipe.checkout import pin_code
 from dflashpipe.config import DATASET_NAME, prepare_config, run_gpus
-from dflashpipe.errors import UserError
-from dflashpipe.filedigest import share_cache
+from dflashpipe.jobs.checkout import pin_code
+from dflashpipe.jobs.errors import UserError
+from dflashpipe.jobs.filedigest import share_cache
 from dflashpipe.wiring import Pipeline
 
 # the jobs (new Python processes) import this checkout's library, not an installed one

@@ -1,8 +1,8 @@
-from dflashpipe.config import settings
 from dflashpipe.evaluate.ar_draft import ARDraftConfig, train_ar_draft
-from dflashpipe.lease import lease_for_job
-from dflashpipe.runtime import job
-from dflashpipe.tokenize import load_tokenized
+from dflashpipe.inputs.tokenize import load_tokenized
+from dflashpipe.jobs.lease import lease_for_job
+from dflashpipe.jobs.runtime import job
+from dflashpipe.jobs.settings import settings
 
 p = snakemake.params
 with job(snakemake.log[0], threads=snakemake.threads, name="ar_draft") as log:

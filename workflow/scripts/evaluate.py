@@ -1,8 +1,9 @@
-from dflashpipe.config import settings
 from dflashpipe.evaluate.run import evaluate_dataset
 from dflashpipe.evaluate.settings import EvalRun, EvalSettings
-from dflashpipe.lease import lease_for_job, use_leased_slot_cache
-from dflashpipe.runtime import job
+from dflashpipe.jobs.compile_cache import use_leased_slot_cache
+from dflashpipe.jobs.lease import lease_for_job
+from dflashpipe.jobs.runtime import job
+from dflashpipe.jobs.settings import settings
 
 p = snakemake.params
 with job(snakemake.log[0], threads=snakemake.threads, name=f"evaluate {snakemake.wildcards.dataset}") as log:

@@ -1,8 +1,9 @@
-from dflashpipe.config import on_server, settings
-from dflashpipe.expand import ExpandSettings, expand_prompts
-from dflashpipe.expand_openai import ServerSettings
-from dflashpipe.lease import lease_for_job, use_leased_slot_cache
-from dflashpipe.runtime import job
+from dflashpipe.jobs.compile_cache import use_leased_slot_cache
+from dflashpipe.jobs.lease import lease_for_job
+from dflashpipe.jobs.runtime import job
+from dflashpipe.jobs.settings import on_server, settings
+from dflashpipe.stages.expand import ExpandSettings, expand_prompts
+from dflashpipe.stages.expand_openai import ServerSettings
 
 with job(snakemake.log[0], threads=snakemake.threads, name=f"expand {snakemake.wildcards.dataset} shard {snakemake.wildcards.shard}") as log:
     p = snakemake.params

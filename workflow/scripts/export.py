@@ -1,5 +1,5 @@
 from dflashpipe.drafter.export import export_final
-from dflashpipe.runtime import job
+from dflashpipe.jobs.runtime import job
 
 with job(snakemake.log[0], threads=snakemake.threads, name="export") as log:
     run = {"target": snakemake.params.target, "datasets": snakemake.params.datasets,

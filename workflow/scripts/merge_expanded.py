@@ -1,5 +1,5 @@
-from dflashpipe.shards import merge_shards
-from dflashpipe.runtime import job
+from dflashpipe.jobs.runtime import job
+from dflashpipe.stages.shards import merge_shards
 
 with job(snakemake.log[0], threads=snakemake.threads, name=f"merge {snakemake.wildcards.dataset}") as log:
     n = merge_shards(list(snakemake.input.shards), snakemake.output[0])

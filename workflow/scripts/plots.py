@@ -1,5 +1,5 @@
-from dflashpipe import plots
-from dflashpipe.runtime import job
+from dflashpipe.jobs.runtime import job
+from dflashpipe.stages import plots
 
 i, o = snakemake.input, snakemake.output
 with job(snakemake.log[0], name="plots"):

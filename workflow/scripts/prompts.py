@@ -1,5 +1,5 @@
-from dflashpipe.data import prepare_prompts
-from dflashpipe.runtime import job
+from dflashpipe.inputs.data import prepare_prompts
+from dflashpipe.jobs.runtime import job
 
 with job(snakemake.log[0], threads=snakemake.threads, name=f"prompts {snakemake.wildcards.dataset}") as log:
     prepare_prompts(snakemake.params.spec, snakemake.wildcards.dataset, snakemake.output.prompts,

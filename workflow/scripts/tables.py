@@ -1,5 +1,5 @@
-from dflashpipe.runtime import job
-from dflashpipe.tables import write_tables
+from dflashpipe.jobs.runtime import job
+from dflashpipe.stages.tables import write_tables
 
 with job(snakemake.log[0], name="tables") as log:
     write_tables(

@@ -1,9 +1,9 @@
-from dflashpipe.config import settings
-from dflashpipe.data import read_prompts
-from dflashpipe.errors import UserError
-from dflashpipe.runtime import job
-from dflashpipe.target import write_target_id
-from dflashpipe.tiny_target import TinyTargetConfig, train_tiny_target
+from dflashpipe.inputs.data import read_prompts
+from dflashpipe.inputs.target import write_target_id
+from dflashpipe.inputs.tiny_target import TinyTargetConfig, train_tiny_target
+from dflashpipe.jobs.errors import UserError
+from dflashpipe.jobs.runtime import job
+from dflashpipe.jobs.settings import settings
 
 
 def chats(path):

@@ -1,5 +1,5 @@
-from dflashpipe.runtime import job
-from dflashpipe.tokenize import tokenize_expanded
+from dflashpipe.inputs.tokenize import tokenize_expanded
+from dflashpipe.jobs.runtime import job
 
 with job(snakemake.log[0], threads=snakemake.threads, name="tokenize") as log:
     tokenize_expanded(

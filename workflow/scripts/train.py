@@ -1,7 +1,7 @@
-from dflashpipe.config import settings
 from dflashpipe.drafter.launch import run_training
 from dflashpipe.drafter.train import TrainConfig, TrainRun
-from dflashpipe.runtime import job
+from dflashpipe.jobs.runtime import job
+from dflashpipe.jobs.settings import settings
 
 config = snakemake.config
 train = config["train"]

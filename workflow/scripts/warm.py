@@ -1,10 +1,12 @@
 import time
 
-from dflashpipe.config import settings
 from dflashpipe.drafter.train import TrainConfig, warm_compile
-from dflashpipe.hotstart import seed_slot_cache, write_stamp
-from dflashpipe.lease import lease_for_job, use_slot_cache
-from dflashpipe.runtime import job
+from dflashpipe.jobs.compile_cache import seed_slot_cache
+from dflashpipe.jobs.compile_cache import use_slot_cache
+from dflashpipe.jobs.hotstart import write_stamp
+from dflashpipe.jobs.lease import lease_for_job
+from dflashpipe.jobs.runtime import job
+from dflashpipe.jobs.settings import settings
 
 slot = int(snakemake.wildcards.slot)
 p = snakemake.params

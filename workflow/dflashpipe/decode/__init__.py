@@ -10,7 +10,7 @@
 * :mod:`.static_drafter`: the drafter's batch-1 step on static buffers, captured as CUDA graphs
   (``StaticDrafterRunner``, the ``DrafterRunner`` interface).
 * :mod:`.slots`: continuous batching over a slotted static KV cache (``SlotDecoder``): the
-  ``batched`` backend of the dataset expansion (:mod:`dflashpipe.expand`).
+  ``batched`` backend of the dataset expansion (:mod:`dflashpipe.stages.expand`).
 * :mod:`.batched`: greedy AR and DFlash over many prompts at once (``BatchedDecoder``: continuous
   batching over a slotted static KV cache, one verify forward for every row): the speed-up under load
   (``benchmarks/concurrency.py``).

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflashpipe.errors import UserError
 from dflashpipe.evaluate.metrics import cut_step
+from dflashpipe.jobs.errors import UserError
 
 
 # ---------------------------------------------------------------------------
@@ -106,8 +106,8 @@ def sync(device) -> None:
 
 
 def eos_ids_of(tokenizer=None, model=None) -> list[int]:
-    """All stop ids of a target model: :func:`dflashpipe.target.end_token_ids` of its generation config."""
-    from dflashpipe.target import end_token_ids
+    """All stop ids of a target model: :func:`dflashpipe.inputs.target.end_token_ids` of its generation config."""
+    from dflashpipe.inputs.target import end_token_ids
 
     return end_token_ids(tokenizer, getattr(model, "generation_config", None))
 

@@ -6,7 +6,7 @@ weights, i.e. the drafter and train settings (operational keys excluded, see
 the config schema), the seed, the tokenized data, the target, and the training
 code by meaning (the same module closure the compile-warm stamps fingerprint;
 comments, docstrings, log messages and where the files sit do not count,
-see :func:`dflashpipe.codedeps.meaning_digest`), the target loader
+see :func:`dflashpipe.jobs.codedeps.meaning_digest`), the target loader
 (``target.py``) and the torch and transformers versions. So an edit of the training code or of a result-changing setting
 starts a fresh run, and a killed run of the same code and settings finds its
 own directory and resumes. The shard count is not part of the identity: the
@@ -44,8 +44,8 @@ from pathlib import Path
 
 import torch
 
-from dflashpipe.atomic import atomic_path, torch_save, write_json
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.atomic import atomic_path, torch_save, write_json
+from dflashpipe.jobs.errors import UserError
 
 METRIC_FIELDS = (
     "step", "epoch", "loss", "acc", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu",
@@ -57,10 +57,10 @@ COMPLETE = "complete.json"  # a finished run (see the module docstring)
 
 def run_identity(cfg, tokenized_dir: str, target_dir: str) -> dict:
     """Everything the trained weights depend on (readable; its hash keys the checkpoint directory)."""
-    from dflashpipe.codedeps import module_closure
-    from dflashpipe.config import operational_keys
-    from dflashpipe.hotstart import code_digest, train_step_code_files
-    from dflashpipe.target import resolve_mask_token, target_fingerprint
+    from dflashpipe.inputs.target import resolve_mask_token, target_fingerprint
+    from dflashpipe.jobs.codedeps import module_closure
+    from dflashpipe.jobs.hotstart import code_digest, train_step_code_files
+    from dflashpipe.jobs.settings import operational_keys
 
     skip = set(operational_keys("train"))
     state = (Path(tokenized_dir) / "state.json").read_bytes()
@@ -110,8 +110,8 @@ def start_run(ckpt_dir: Path, identity: dict, log=print) -> None:
 
 def heldout_code() -> str:
     """The held-out evaluation code by meaning (not part of the run identity, but of the figures in its summary)."""
-    from dflashpipe.codedeps import module_closure
-    from dflashpipe.hotstart import code_digest
+    from dflashpipe.jobs.codedeps import module_closure
+    from dflashpipe.jobs.hotstart import code_digest
 
     return code_digest(module_closure(Path(__file__).resolve().parents[1], ["drafter.heldout"]))
 

@@ -77,7 +77,7 @@ class RunData:
     """The tokenized data of a run as its ranks read it: the rows, their length buckets, the held-out split,
     and the step count they give."""
 
-    ds: object  # the tokenized dataset (dflashpipe.tokenize.load_tokenized)
+    ds: object  # the tokenized dataset (dflashpipe.inputs.tokenize.load_tokenized)
     buckets: np.ndarray  # per sample: its length bucket
     train_idx: np.ndarray
     heldout_idx: np.ndarray

@@ -21,7 +21,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.errors import UserError
 
 
 def init_dist(init_method: str, rank: int, world_size: int, device: torch.device, timeout_s: float) -> None:

@@ -46,8 +46,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflashpipe.atomic import atomic_path
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.atomic import atomic_path
+from dflashpipe.jobs.errors import UserError
 
 from .card import CARD_NAME, model_card
 from .model import DFlashDrafter, DrafterConfig, default_target_layer_ids, expected_state_shapes

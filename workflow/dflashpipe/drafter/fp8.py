@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.errors import UserError
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448

@@ -41,10 +41,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflashpipe.checkout import ENV as CODE_ENV
-from dflashpipe.checkout import planned_code
-from dflashpipe.errors import UserError
-from dflashpipe.runtime import CONSOLE_ENV, console_fd
+from dflashpipe.jobs.checkout import ENV as CODE_ENV
+from dflashpipe.jobs.checkout import planned_code
+from dflashpipe.jobs.errors import UserError
+from dflashpipe.jobs.runtime import CONSOLE_ENV, console_fd
 
 if TYPE_CHECKING:
     from .train import TrainRun
@@ -167,7 +167,7 @@ def launch(command: list[str], rank_logs: list[str], log=print, *, meet: Rendezv
         logs_specs=DefaultLogsSpecs(log_dir=os.devnull),
     )
     # the ranks run the library of the checkout that planned the job (pinned by the Snakefile), else this
-    # process's own: first on their path, and checked by each rank (dflashpipe.checkout)
+    # process's own: first on their path, and checked by each rank (dflashpipe.jobs.checkout)
     package_root = str(planned_code() or Path(__file__).resolve().parents[2])
     rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != package_root]
     env = {"PYTHONPATH": os.pathsep.join([package_root, *rest]), CODE_ENV: package_root,
@@ -300,7 +300,7 @@ def run_training(run: TrainRun, gpu_config: dict, log=print) -> dict:
     ``run`` is sent to the ranks as ONE JSON file under ``run.run_dir`` (which every node reads);
     ``gpu_config``: the config's ``gpu`` section plus ``results`` (for the leases).
     """
-    from dflashpipe.tracking import check_available
+    from dflashpipe.jobs.tracking import check_available
 
     from .checkpoint import mark_complete, republish
 
@@ -337,7 +337,7 @@ def run_training(run: TrainRun, gpu_config: dict, log=print) -> dict:
 def _leased_slots(gpu_config: dict, shards: int, log):
     """Slots 0..shards-1 of this machine, every one leased before any rank starts (another GPU job may
     hold one for a while; under SLURM the allocation is the lease); yields their CUDA_VISIBLE_DEVICES."""
-    from dflashpipe.lease import lease_for_job
+    from dflashpipe.jobs.lease import lease_for_job
 
     leases = []
     try:
@@ -353,7 +353,7 @@ def _leased_slots(gpu_config: dict, shards: int, log):
 
 def node_main(spec_path: str) -> None:
     """One node's launcher (started by srun on every node of the allocation): this node's ranks."""
-    from dflashpipe.runtime import job
+    from dflashpipe.jobs.runtime import job
 
     from .train import TrainRun
 
@@ -373,9 +373,10 @@ def rank_main(spec_path: str) -> None:
         rank_logs = json.load(f)["rank_logs"]
     _output_to(rank_logs[rank])  # everything from here on, crashes of the imports below included
 
-    from dflashpipe.hotstart import hot_start
-    from dflashpipe.lease import allocation_device, use_slot_cache
-    from dflashpipe.runtime import job
+    from dflashpipe.jobs.compile_cache import use_slot_cache
+    from dflashpipe.jobs.hotstart import hot_start
+    from dflashpipe.jobs.lease import allocation_device
+    from dflashpipe.jobs.runtime import job
 
     from .train import TrainRun, train_rank
 

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from dflashpipe.faults import failpoint
-from dflashpipe.tracking import Tracker
+from dflashpipe.jobs.faults import failpoint
+from dflashpipe.jobs.tracking import Tracker
 
 from .checkpoint import MetricsHistory, save_checkpoint
 from .data import TRAIN_SALT, RunData, epoch_batches, make_batch, rank_slice, sample_seed

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.errors import UserError
 
 # ---------------------------------------------------------------------------
 # How the training forward runs (a property of each drafter: see DFlashDrafter.set_compile_mode)

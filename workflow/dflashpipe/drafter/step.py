@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.errors import UserError
 
 from .data import PRIME_SALT, make_batch, sample_seed
 from .distributed import all_reduce_
@@ -138,7 +138,7 @@ def apply_compile_mode(setup: Setup, drafter) -> None:
     compiled graphs' activations and recompute the rest in the backward. Like the Dynamo setting
     above it is process-wide: a warm job and a rank are processes of their own.
     """
-    from dflashpipe.hotstart import forbid_dense_flex
+    from dflashpipe.jobs.hotstart import forbid_dense_flex
 
     drafter.set_compile_mode(setup.compile)
     if setup.attention == "flex":

@@ -29,12 +29,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflashpipe.atomic import write_json
-from dflashpipe.config import schema_settings
-from dflashpipe.errors import UserError
-from dflashpipe.faults import failpoint
-from dflashpipe.runtime import Laps
-from dflashpipe.tracking import check_available
+from dflashpipe.jobs.atomic import write_json
+from dflashpipe.jobs.errors import UserError
+from dflashpipe.jobs.faults import failpoint
+from dflashpipe.jobs.runtime import Laps
+from dflashpipe.jobs.settings import schema_settings
+from dflashpipe.jobs.tracking import check_available
 
 from .checkpoint import checkpoint_dir, load_checkpoint, run_identity, save_final_state, start_run
 from .data import RunData, epoch_batches, heldout_split
@@ -53,7 +53,7 @@ from .step import apply_compile_mode, compile_signature, prime_buckets, resolve_
 @schema_settings("drafter", "train")
 class TrainConfig:
     """The ``drafter`` and ``train`` sections and ``seed``, as one rank takes them: built once by the job
-    (:func:`dflashpipe.config.settings`), sent to the ranks as JSON. Defaults: the schema's."""
+    (:func:`dflashpipe.jobs.settings.settings`), sent to the ranks as JSON. Defaults: the schema's."""
 
     JOB_KEYS = ("shards", "nodes", "threads")  # the job's rank processes and their threads (scripts/train.py)
 
@@ -89,7 +89,7 @@ class TrainConfig:
     activation_memory_budget: float  # < 1: the compiled backward recomputes instead of saving (less memory)
     dtype: str  # auto: bf16 autocast on CUDA with fp32 master weights; fp32 on CPU
     dist_timeout_s: float
-    tensorboard: bool  # experiment tracking (dflashpipe.tracking; operational: not in the run identity)
+    tensorboard: bool  # experiment tracking (dflashpipe.jobs.tracking; operational: not in the run identity)
     wandb: bool
     wandb_project: str
 
@@ -171,7 +171,7 @@ def resolve_device(device: str) -> torch.device:
 def build(cfg: TrainConfig, target_dir: str, dev: torch.device, world_size: int, laps: Laps | None = None):
     """Target (frozen, trimmed to the tapped layers), drafter (fp32 master weights), step setup, pad id.
     ``laps``: times the target's load and the drafter's build, for the job's log."""
-    from dflashpipe.target import load_target, resolve_mask_token
+    from dflashpipe.inputs.target import load_target, resolve_mask_token
 
     laps = laps or Laps()
 
@@ -212,7 +212,7 @@ def warm_compile(cfg: TrainConfig, tokenized_dir: str, target_dir: str, device: 
     set, at one rank's batch shape for a run of ``world_size`` ranks; returns
     the compile signature and seconds per bucket for the stamp.
     """
-    from dflashpipe.tokenize import load_tokenized
+    from dflashpipe.inputs.tokenize import load_tokenized
 
     laps = Laps()
     dev = resolve_device(device)
@@ -236,7 +236,7 @@ def train_rank(run: TrainRun, rank: int, device: str, *, log=print, hot_start=No
 
     Rank 0 publishes the outputs (``run.metrics_csv``, ``run.summary_json``, ``run.final_state``) once
     every rank has finished. ``hot_start``: a callable ``(signature: dict) -> checker`` (see
-    :mod:`dflashpipe.hotstart`): it validates the slot's warm stamp against this rank's compile signature
+    :mod:`dflashpipe.jobs.hotstart`): it validates the slot's warm stamp against this rank's compile signature
     before anything compiles, and the checker's ``after_first_step(log)`` proves, after every bucket has
     been primed, that nothing was compiled from scratch and forbids compiles from then on. The run's
     identity is the one the launcher computed (computed here if ``run`` has none).
@@ -275,7 +275,7 @@ def _build_rank(run: TrainRun, rank: int, dev: torch.device, log, laps: Laps) ->
 
 def load_data(run: TrainRun, pad_id: int) -> RunData:
     """The run's tokenized data, its held-out split and the number of steps (the same on every rank)."""
-    from dflashpipe.tokenize import load_tokenized
+    from dflashpipe.inputs.tokenize import load_tokenized
 
     cfg = run.cfg
     ds = load_tokenized(run.tokenized_dir)

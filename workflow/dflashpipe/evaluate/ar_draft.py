@@ -9,15 +9,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, replace
 
-from dflashpipe.config import schema_settings
-from dflashpipe.errors import UserError
-from dflashpipe.tiny_target import TinyTargetConfig, build_model, train_lm
+from dflashpipe.inputs.tiny_target import TinyTargetConfig, build_model, train_lm
+from dflashpipe.jobs.errors import UserError
+from dflashpipe.jobs.settings import schema_settings
 
 
 @schema_settings("ar_draft")
 class ARDraftConfig(TinyTargetConfig):
     """``ar_draft`` (and ``seed``), defaults the schema's: a 1-2 layer Qwen3 causal LM with the target's
-    tokenizer and vocabulary. Built and trained as the tiny target is (:mod:`dflashpipe.tiny_target`); the
+    tokenizer and vocabulary. Built and trained as the tiny target is (:mod:`dflashpipe.inputs.tiny_target`); the
     fields it inherits that ``ar_draft`` lacks keep ``target.tiny``'s defaults (``vocab_size`` is ignored:
     the target's is used, and recorded in the metrics)."""
 
@@ -59,8 +59,8 @@ def train_ar_draft(chats_or_token_lists, target_dir: str, out_dir: str, cfg: ARD
     """
     from transformers import AutoConfig
 
-    from dflashpipe.atomic import atomic_path
-    from dflashpipe.target import load_tokenizer
+    from dflashpipe.inputs.target import load_tokenizer
+    from dflashpipe.jobs.atomic import atomic_path
 
     cfg = cfg or ARDraftConfig()
     if not 1 <= cfg.num_layers:

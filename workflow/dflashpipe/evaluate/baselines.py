@@ -34,8 +34,8 @@ import time
 
 import torch
 
-from dflashpipe.errors import UserError
-from dflashpipe.target import generation_arguments
+from dflashpipe.inputs.target import generation_arguments
+from dflashpipe.jobs.errors import UserError
 
 from dflashpipe.decode.speculative import DecodeResult, eos_ids_of, sync
 

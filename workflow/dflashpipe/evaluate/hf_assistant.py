@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from dflashpipe.atomic import atomic_path
 from dflashpipe.drafter.export import CONFIG_NAME, WEIGHTS_NAME, layer_shape_config, load_drafter
 from dflashpipe.drafter.model import DrafterConfig
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.atomic import atomic_path
+from dflashpipe.jobs.errors import UserError
 
 MODEL_TYPE = "muse_glimmer_assistant"
 ARCHITECTURE = "MuseGlimmerAssistantModel"

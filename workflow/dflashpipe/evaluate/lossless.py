@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from dflashpipe.decode.speculative import DecodeResult
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.errors import UserError
 
 
 def check_lossless(prompts, dflash_outputs, ar_outputs, near_tie=None) -> list[dict]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.errors import UserError
 
 if TYPE_CHECKING:
     import torch

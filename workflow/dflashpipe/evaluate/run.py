@@ -27,11 +27,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from dflashpipe.atomic import atomic_path, write_json
 from dflashpipe.decode.cuda_graph import round_capacity
 from dflashpipe.decode.speculative import ARDecoder, DecodeResult, DFlashDecoder, drafter_runner, eos_ids_of, target_runner
-from dflashpipe.errors import UserError
-from dflashpipe.runtime import Laps
+from dflashpipe.jobs.atomic import atomic_path, write_json
+from dflashpipe.jobs.errors import UserError
+from dflashpipe.jobs.runtime import Laps
 
 from . import metrics as M
 from .lossless import check_lossless, default_tie_tolerance, logit_gap
@@ -61,7 +61,7 @@ def _peak_memory(device: torch.device) -> dict:
 
 def encode_prompt(tokenizer, turns, chat_template_kwargs: dict | None = None, where: str = "a prompt") -> list[int]:
     """The target's chat template with ``add_generation_prompt=True`` (as in expand)."""
-    from dflashpipe.target import prompt_ids
+    from dflashpipe.inputs.target import prompt_ids
 
     return prompt_ids(tokenizer, turns, chat_template_kwargs, where)
 
@@ -208,7 +208,7 @@ def _harness(run: EvalRun, dev: torch.device, laps: Laps, log) -> tuple[Harness,
     """The loaded target and drafter, the prompts, and the same-harness DFlash and AR decoders; with
     the prompts read (ids, encodings, skipped) and the static KV cache's capacity."""
     from dflashpipe.drafter.export import load_drafter
-    from dflashpipe.target import load_target
+    from dflashpipe.inputs.target import load_target
 
     s = run.settings
     dtype = run.dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -238,7 +238,7 @@ def _harness(run: EvalRun, dev: torch.device, laps: Laps, log) -> tuple[Harness,
 
 def _summary_head(run: EvalRun, h: Harness, n_prompts: int, skipped: Counter, capacity: int) -> dict:
     """The summary's entries before the methods': what was evaluated, and how."""
-    from dflashpipe.target import describe_target
+    from dflashpipe.inputs.target import describe_target
 
     s, dev, dflash = run.settings, h.device, h.dflash
     return {
@@ -270,7 +270,7 @@ def _summary_head(run: EvalRun, h: Harness, n_prompts: int, skipped: Counter, ca
 
 def _read_prompts(prompts_parquet, tok, target, block_size: int, s: EvalSettings, log) -> tuple[list[str], list[list[int]], Counter]:
     """The first ``s.num_prompts`` usable prompts: their ids, their encodings, and why the others were skipped."""
-    from dflashpipe.data import read_prompts, screen_prompt, target_context
+    from dflashpipe.inputs.data import read_prompts, screen_prompt, target_context
 
     df = read_prompts(prompts_parquet)
     # every method must decode max_new_tokens (plus one verify block) within the target's context

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dflashpipe.config import schema_settings
+from dflashpipe.jobs.settings import schema_settings
 
 if TYPE_CHECKING:
     import torch

@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.errors import UserError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
@@ -90,9 +90,9 @@ def target_fingerprint(path: str) -> str:
     Every file that can change the tokens counts by content (weights, config, tokenizer, chat template,
     generation config, ...; not README.md or hidden files): a fine-tune swapped into the same directory
     is another target. Files over 64 MB (the weights) count by their sha256, read once per file version
-    and cached (:func:`dflashpipe.filedigest.file_digest`): many GB are not re-read by every job.
+    and cached (:func:`dflashpipe.jobs.filedigest.file_digest`): many GB are not re-read by every job.
     """
-    from dflashpipe.filedigest import file_digest
+    from dflashpipe.jobs.filedigest import file_digest
 
     p = check_target_dir(path)
     h = hashlib.sha256()
@@ -115,7 +115,7 @@ def write_target_id(path: str, out: str) -> bool:
     The workflow calls this while it plans (and the tiny_target rule beside its model), so a target
     whose content changed reruns what reads it, and one merely touched or copied back reruns nothing.
     """
-    from dflashpipe.atomic import write_json
+    from dflashpipe.jobs.atomic import write_json
 
     content = {"fingerprint": target_fingerprint(path)}
     try:

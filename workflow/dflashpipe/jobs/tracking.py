@@ -36,7 +36,7 @@ import json
 import math
 from pathlib import Path
 
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.errors import UserError
 
 #: metrics CSV column -> tag group
 STEP_GROUPS = {

@@ -11,7 +11,7 @@ site-packages) and its path is recorded in ``DFLASHPIPE_CODE_DIR``. On a
 cluster the job re-reads the Snakefile on its node, which pins it again.
 
 Each job then checks it got that code (:func:`check_code`, called by
-:func:`dflashpipe.runtime.job`, which every script and rank process runs):
+:func:`dflashpipe.jobs.runtime.job`, which every script and rank process runs):
 when something still shadows it (a ``.pth`` that inserts a path at the front,
 or ``--sdm conda``, which drops ``PYTHONPATH``, with an environment that has
 the package installed), the job refuses with one line naming both paths
@@ -23,14 +23,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.errors import UserError
 
 ENV = "DFLASHPIPE_CODE_DIR"
 
 
 def package_parent() -> Path:
     """The directory this ``dflashpipe`` package was imported from (a checkout's ``workflow/``)."""
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]
 
 
 def pin_code(code_dir: str | os.PathLike) -> None:

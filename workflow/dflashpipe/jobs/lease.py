@@ -24,7 +24,7 @@ In Python::
 
 From a shell rule::
 
-    python -m dflashpipe.lease --lock-dir results/locks --slots 3 -- python train.py
+    python -m dflashpipe.jobs.lease --lock-dir results/locks --slots 3 -- python train.py
 
 The CLI exports ``DFLASH_SLOT``, ``DFLASH_DEVICE`` (``cuda``/``cpu``),
 ``CUDA_VISIBLE_DEVICES`` (GPU mode) and ``DFLASH_LEASE_FD`` and then ``exec``s
@@ -51,7 +51,7 @@ import sys
 import time
 from pathlib import Path
 
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.errors import UserError
 
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_POLL_S = 0.2
@@ -555,45 +555,12 @@ def lease_for_job(config: dict, slot: int | None = None, gpus: int = 1, **kwargs
     return lease_device(lock_dir, gpu["slots"], slot=slot, timeout_s=gpu["lease_timeout_s"], **kwargs)
 
 
-#: the folder under ``results`` of the GPU slots' compile caches (one ``slot{i}`` inside each)
-COMPILE_CACHE = "compile_cache"
-
-
-def slot_cache_dirs(cache_root: str | os.PathLike, slot: int) -> dict[str, str]:
-    """Per-slot compile caches (Inductor FX graph / AOTAutograd caches, Triton kernels)."""
-    root = Path(cache_root).resolve() / f"slot{slot}"
-    return {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "TRITON_CACHE_DIR": str(root / "triton")}
-
-
-def use_slot_cache(cache_root: str | os.PathLike, slot: int) -> dict[str, str]:
-    """Point this process's compile caches at the slot's directories (call before compiling)."""
-    env = slot_cache_dirs(cache_root, slot)
-    for key, value in env.items():
-        Path(value).mkdir(parents=True, exist_ok=True)
-        os.environ[key] = value
-    return env
-
-
-def use_leased_slot_cache(config: dict, lease: DeviceLease, log=print) -> dict[str, str] | None:
-    """A GPU job outside the warm chain (regeneration, evaluation) compiles into its leased slot's cache.
-
-    One job holds a slot at a time, so no two processes compile into one cache at once; the
-    first job on a slot compiles its steps, and every later one with the same shapes (the next
-    dataset, a rerun after an edit) loads them. None (the process's default cache) without a slot.
-    """
-    if lease.slot is None or not str(lease.device).startswith("cuda"):
-        return None
-    env = use_slot_cache(Path(config["results"]) / COMPILE_CACHE, lease.slot)
-    log(f"compile cache: slot {lease.slot}'s (a later job with these shapes loads what this one compiles)")
-    return env
-
-
 # --------------------------------------------------------------------------- CLI
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m dflashpipe.lease",
+        prog="python -m dflashpipe.jobs.lease",
         description="Lease a GPU slot, set CUDA_VISIBLE_DEVICES/DFLASH_SLOT, then exec CMD (which keeps the lease).",
     )
     parser.add_argument("--lock-dir", required=True, help="directory of the slot lock files")

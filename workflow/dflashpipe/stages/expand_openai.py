@@ -36,9 +36,9 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
-from dflashpipe.config import schema_settings
-from dflashpipe.errors import UserError
-from dflashpipe.target import prompt_ids as local_prompt_ids
+from dflashpipe.inputs.target import prompt_ids as local_prompt_ids
+from dflashpipe.jobs.errors import UserError
+from dflashpipe.jobs.settings import schema_settings
 
 # a chat that many tokenizers split differently: digits, accents, CJK, symbols, code, emoji
 PROBE = [{"role": "user", "content": "Tokenizer probe 0123456789: naïve café Ærø 漢字かな 한국어 ∑∫√ "
@@ -47,7 +47,7 @@ PROBE = [{"role": "user", "content": "Tokenizer probe 0123456789: naïve café �
 # (HTTP 422); they are dropped for the whole run when the probe is refused because of them
 EXTRA_FIELDS = ("return_token_ids", "top_k", "repetition_penalty", "min_p", "min_tokens")
 # sent with them: the neutral values of what vLLM (`--generation-config auto`, its default) and SGLang would
-# otherwise take from the target's generation_config.json (dflashpipe.target.generation_arguments)
+# otherwise take from the target's generation_config.json (dflashpipe.inputs.target.generation_arguments)
 NEUTRAL_FIELDS = {"repetition_penalty": 1.0, "min_p": 0.0, "min_tokens": 0}
 # `transformers serve` samples only if the request's generation config says so (it never derives do_sample
 # from the temperature): when sampling without EXTRA_FIELDS, this is sent too (dropped if refused)

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dflashpipe.atomic import atomic_path, write_json
-from dflashpipe.data import read_parquet
-from dflashpipe.errors import UserError
+from dflashpipe.inputs.data import read_parquet
+from dflashpipe.jobs.atomic import atomic_path, write_json
+from dflashpipe.jobs.errors import UserError
 
 
 def _ids(tokenizer, messages, add_generation_prompt, kwargs) -> list[int]:
@@ -188,7 +188,7 @@ def tokenize_expanded(
     """
     from tqdm import tqdm
 
-    from dflashpipe.target import load_tokenizer
+    from dflashpipe.inputs.target import load_tokenizer
 
     rules = _Rules(sorted(buckets), 2 * block_size, chat_template_kwargs, cut_replies, reply_ids)
     tokenizer = load_tokenizer(target_path)

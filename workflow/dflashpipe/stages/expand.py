@@ -13,7 +13,7 @@ transformers ``generate`` (:func:`_generate_chunk`); ``batched`` in this process
 with continuous batching over a static KV cache and a CUDA-graph decode step
 (:mod:`dflashpipe.decode.slots`); ``auto`` is ``batched`` on a GPU where the
 target's layout allows it, else ``embedded``; ``openai`` sends the prompts
-to an OpenAI-compatible server the user runs (:mod:`dflashpipe.expand_openai`).
+to an OpenAI-compatible server the user runs (:mod:`dflashpipe.stages.expand_openai`).
 Each backend is opened once per job by a function in :data:`BACKENDS` and
 returns a ``generate(rows, chunk_seed, progress) -> (records, new_tokens)``
 callable; the records have the same columns whatever the backend, among them
@@ -34,13 +34,13 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from dflashpipe.atomic import atomic_path, write_json
-from dflashpipe.config import on_server, schema_enum, schema_settings
-from dflashpipe.data import screen_prompt, target_context
 from dflashpipe.decode.cuda_graph import round_capacity
-from dflashpipe.errors import UserError
-from dflashpipe.expand_openai import ServerSettings
-from dflashpipe.target import describe_neutralised, end_token_ids, generation_arguments, prompt_text
+from dflashpipe.inputs.data import screen_prompt, target_context
+from dflashpipe.inputs.target import describe_neutralised, end_token_ids, generation_arguments, prompt_text
+from dflashpipe.jobs.atomic import atomic_path, write_json
+from dflashpipe.jobs.errors import UserError
+from dflashpipe.jobs.settings import on_server, schema_enum, schema_settings
+from dflashpipe.stages.expand_openai import ServerSettings
 
 
 @schema_settings("expand")
@@ -142,7 +142,7 @@ def _log_neutralised(generation_config, s: ExpandSettings, log) -> None:
 
 def _open_embedded(target_path: str, s: ExpandSettings, device: str, server: ServerSettings, log):
     """The target in this process: batched ``generate`` with a KV cache (:func:`_generate_chunk`)."""
-    from dflashpipe.target import load_target
+    from dflashpipe.inputs.target import load_target
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model, tokenizer = load_target(target_path, device=device, dtype=dtype)
@@ -167,7 +167,7 @@ def _chunk_prompts(tokenizer, rows: pd.DataFrame, s: ExpandSettings, context: in
 def _open_batched(target_path: str, s: ExpandSettings, device: str, server: ServerSettings, log):
     """The target in this process, continuous batching over a static KV cache (:mod:`dflashpipe.decode.slots`)."""
     from dflashpipe.decode.slots import SlotDecoder, kv_bytes_per_token, unsupported_reason
-    from dflashpipe.target import load_target
+    from dflashpipe.inputs.target import load_target
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model, tokenizer = load_target(target_path, device=device, dtype=dtype)
@@ -287,10 +287,10 @@ def decoder_identity(target_path: str, s: ExpandSettings, device: str) -> dict:
 def decoding_code_digest() -> str:
     """What the library code an expansion runs (this module and what it imports, transitively) means: a
     decoder fix discards the finished chunks instead of mixing old and new replies in one output; a comment,
-    a log message or a module's move keeps them (:func:`dflashpipe.codedeps.meaning_digest`)."""
-    from dflashpipe.codedeps import meaning_digest, module_closure
+    a log message or a module's move keeps them (:func:`dflashpipe.jobs.codedeps.meaning_digest`)."""
+    from dflashpipe.jobs.codedeps import meaning_digest, module_closure
 
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]
     return meaning_digest(module_closure(package, [__name__]), package)
 
 
@@ -300,8 +300,8 @@ def _open_openai(target_path: str, s: ExpandSettings, device: str, server: Serve
 
     from transformers import AutoConfig, GenerationConfig
 
-    from dflashpipe.expand_openai import OpenAIBackend
-    from dflashpipe.target import load_tokenizer
+    from dflashpipe.inputs.target import load_tokenizer
+    from dflashpipe.stages.expand_openai import OpenAIBackend
 
     tokenizer = load_tokenizer(target_path)
     if tokenizer.pad_token_id is None:
@@ -356,8 +356,8 @@ BACKENDS = {"auto": _open_auto, "embedded": _open_embedded, "batched": _open_bat
 
 def check_chat_template(prompts: pd.DataFrame, target_path: str, s: ExpandSettings, source: str) -> None:
     """Every prompt rendered by the target's chat template before any is generated: a template that refuses
-    one (:func:`dflashpipe.target.prompt_text`) stops the job in seconds, not in its last chunk."""
-    from dflashpipe.target import load_tokenizer, prompt_text
+    one (:func:`dflashpipe.inputs.target.prompt_text`) stops the job in seconds, not in its last chunk."""
+    from dflashpipe.inputs.target import load_tokenizer, prompt_text
 
     if prompts.empty:
         return
@@ -382,8 +382,8 @@ def expand_prompts(
 
     ``server``: ``expand.server`` (used by the ``openai`` backend; operational, so not part of the
     chunks' identity: a new url or concurrency resumes the finished chunks)."""
-    from dflashpipe.data import read_prompts
-    from dflashpipe.target import target_fingerprint
+    from dflashpipe.inputs.data import read_prompts
+    from dflashpipe.inputs.target import target_fingerprint
 
     settings.check()
     prompts = shard_rows(read_prompts(prompts_path), shard, n_shards)

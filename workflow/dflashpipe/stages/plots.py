@@ -12,8 +12,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from dflashpipe.atomic import atomic_path  # noqa: E402
-from dflashpipe.tables import SIMULATED  # noqa: E402
+from dflashpipe.jobs.atomic import atomic_path  # noqa: E402
+from dflashpipe.stages.tables import SIMULATED  # noqa: E402
 
 def _save(fig, path: str) -> None:
     if not fig.get_layout_engine():

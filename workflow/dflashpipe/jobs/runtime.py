@@ -11,8 +11,8 @@ import stat
 import sys
 import time
 
-from dflashpipe.checkout import check_code
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.checkout import check_code
+from dflashpipe.jobs.errors import UserError
 
 
 def set_threads(n: int) -> None:

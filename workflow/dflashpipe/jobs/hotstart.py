@@ -20,13 +20,10 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
-import os
 import platform
-import shutil
 from pathlib import Path
 
-from dflashpipe.errors import UserError
-from dflashpipe.lease import slot_cache_dirs
+from dflashpipe.jobs.errors import UserError
 
 # The source that decides the compiled training step and the trained weights: these modules with
 # everything they import, plus the training loop itself (drafter/train.py, not its imports:
@@ -37,33 +34,6 @@ from dflashpipe.lease import slot_cache_dirs
 TRAIN_STEP_MODULES = ["drafter.step", "drafter.data", "drafter.distributed", "drafter.model", "drafter.fp8"]
 #: the rank that runs the step (its loop in a file of its own); files alone, not their imports
 TRAIN_LOOP_FILES = ("drafter/train.py", "drafter/loop.py")
-
-
-def seed_slot_cache(cache_root: str | os.PathLike, slot: int) -> int:
-    """Copy what slot ``slot - 1``'s warm job compiled into slot ``slot``'s cache (call before compiling).
-
-    The warm chain runs slot after slot, so the previous slot's cache is
-    complete and nobody writes to it any more. Compiled artefacts are keyed by
-    the code, the shapes, the versions and the GPU model, not by the GPU index
-    (every job sees its GPU as cuda:0): on a node of identical GPUs warm job i
-    then LOADS every graph (cache hits) instead of compiling it again, and still
-    proves it on its own GPU; a different GPU model misses and compiles. Files
-    already there are kept (cache entries are content-addressed). Returns the
-    number of files copied; 0 for slot 0.
-    """
-    if slot <= 0:
-        return 0
-    copied = 0
-    src_dirs, dst_dirs = slot_cache_dirs(cache_root, slot - 1), slot_cache_dirs(cache_root, slot)
-    for key, src in src_dirs.items():
-        src, dst = Path(src), Path(dst_dirs[key])
-        for f in sorted(src.rglob("*")) if src.is_dir() else []:
-            target = dst / f.relative_to(src)
-            if f.is_file() and not target.exists():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(f, target)
-                copied += 1
-    return copied
 
 
 def _version(dist: str) -> str | None:
@@ -94,16 +64,16 @@ def runtime_info(device: str) -> dict:
 
 def code_digest(files: list[str]) -> str:
     """What the library files mean (comments, docstrings, log messages and where the files sit do not
-    count: see :func:`dflashpipe.codedeps.meaning_digest`)."""
-    from dflashpipe.codedeps import meaning_digest
+    count: see :func:`dflashpipe.jobs.codedeps.meaning_digest`)."""
+    from dflashpipe.jobs.codedeps import meaning_digest
 
-    return meaning_digest(files, Path(__file__).resolve().parent)
+    return meaning_digest(files, Path(__file__).resolve().parents[1])
 
 
 def train_step_code_files() -> list[str]:
-    from dflashpipe.codedeps import module_closure
+    from dflashpipe.jobs.codedeps import module_closure
 
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]
     return sorted({*module_closure(package, TRAIN_STEP_MODULES), *(str(package / f) for f in TRAIN_LOOP_FILES)})
 
 
@@ -239,7 +209,7 @@ def hot_start(stamp_path: str, device: str):
 def write_stamp(path: str, signature: dict, device: str, cache_dirs: dict, bucket_seconds: dict, slot: int,
                 interval: tuple[float, float] | None = None) -> dict:
     """The warm job's output: what was compiled, where, how long it took, and its fingerprint."""
-    from dflashpipe.atomic import write_json
+    from dflashpipe.jobs.atomic import write_json
 
     parts = fingerprint_parts(signature, device)
     stamp = {

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from dflashpipe.atomic import atomic_path
+from dflashpipe.jobs.atomic import atomic_path
 
 EVAL_COLUMNS = [
     "n_prompts", "tau_mean", "tau_pooled", "tau_uncut_mean", "tau_uncut_pooled", "tokens_per_s",

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from dflashpipe.errors import UserError
+from dflashpipe.jobs.errors import UserError
 
 LOCAL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 
@@ -258,7 +258,7 @@ def prepare_prompts(spec: dict, name: str, out_path: str, repo_root: str = ".", 
                     log=lambda line: None) -> pd.DataFrame:
     """Load, normalise and write one dataset's prompts as parquet (atomically); with ``stats_path``, their
     counts (prompts, references, rows skipped by reason) as JSON beside them; one log line says them."""
-    from dflashpipe.atomic import atomic_path, write_json
+    from dflashpipe.jobs.atomic import atomic_path, write_json
 
     df, skipped = normalize(load_table(spec, name, repo_root), spec, name)
     stats = {"prompts": len(df), "with_reference": int(df["reference"].notna().sum()), **skipped}

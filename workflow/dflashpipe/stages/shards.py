@@ -1,6 +1,6 @@
 """A sharded stage's output put back together: the expansion's shards into one table per dataset.
 
-Apart from the decoding backends (:mod:`dflashpipe.expand`) on purpose: the merge rule's code
+Apart from the decoding backends (:mod:`dflashpipe.stages.expand`) on purpose: the merge rule's code
 dependencies are this module's imports, so a decoder edit does not rerun a merge by itself.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from dflashpipe.atomic import atomic_path
-from dflashpipe.data import read_parquet
+from dflashpipe.inputs.data import read_parquet
+from dflashpipe.jobs.atomic import atomic_path
 
 
 def merge_shards(shard_paths: list[str], out_path: str) -> int:

@@ -18,10 +18,10 @@ from typing import ClassVar
 
 import torch
 
-from dflashpipe.atomic import atomic_path, write_json
-from dflashpipe.config import schema_settings
-from dflashpipe.errors import UserError
-from dflashpipe.target import prompt_text
+from dflashpipe.inputs.target import prompt_text
+from dflashpipe.jobs.atomic import atomic_path, write_json
+from dflashpipe.jobs.errors import UserError
+from dflashpipe.jobs.settings import schema_settings
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 
