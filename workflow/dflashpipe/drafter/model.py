@@ -371,10 +371,13 @@ class Attention(nn.Module):
         Used for the context and for the block alike: the public DFlash reference
         applies k_norm to ALL keys (context and block), so do we.
         """
-        B, T, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
+        return self._heads_kv(self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def _heads_kv(self, k: torch.Tensor, v: torch.Tensor, cos, sin):
+        """Projected k, v [B, T, Hkv*D] -> [B, Hkv, T, D] each; k_norm then RoPE on k."""
+        B, T, _ = k.shape
+        k = self.k_norm(k.view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
+        return apply_rope(k, cos, sin), v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
 
     def forward(self, x, ctx_k, ctx_v, cos, sin, attn=None) -> torch.Tensor:
         """x [B, Q, H] (normed block hidden); ctx_k/ctx_v [B, Hkv, S, D] projected context;
@@ -387,8 +390,7 @@ class Attention(nn.Module):
             blk_k, blk_v = self.project_kv(x, cos, sin)
         else:
             q, k, v = F.linear(x, fused).split(self.fused_sizes, dim=-1)
-            blk_k = apply_rope(self.k_norm(k.view(B, Q, self.n_kv, self.head_dim)).transpose(1, 2), cos, sin)
-            blk_v = v.view(B, Q, self.n_kv, self.head_dim).transpose(1, 2)
+            blk_k, blk_v = self._heads_kv(k, v, cos, sin)
         q = apply_rope(self.q_norm(q.view(B, Q, self.n_heads, self.head_dim)).transpose(1, 2), cos, sin)
         k = torch.cat([ctx_k, blk_k], dim=2)
         v = torch.cat([ctx_v, blk_v], dim=2)
