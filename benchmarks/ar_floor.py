@@ -12,7 +12,13 @@ captured as is, or compiled by Inductor first) this prints:
 * the floor: ``kernels x node_us``, where ``node_us`` is a replayed graph's cost per node, measured
   on a graph of tiny kernels; and the weights' memory-bound time beside it.
 
+With ``--drafter DIR`` (an exported drafter for this target) it also splits the compiled DFlash step
+the evaluation runs into its pieces: the three captured graphs (draft, verify of the block, the draft
+cache's update), each with its kernels and its replay time alone, and the loop's whole step (the
+pieces, the host's copies, the one read-back of the verdict) over ``--new`` tokens of a prompt.
+
     python benchmarks/ar_floor.py --target resources/targets/smollm2-135m-instruct --out ar_floor.json
+    python benchmarks/ar_floor.py --target T --drafter results/train/drafter --out ar_floor.json
 """
 
 from __future__ import annotations
@@ -105,11 +111,56 @@ def measure(target: str, compile: bool, new: int, prompt_len: int, device) -> di
             "loop_tokens": res.decode_tokens, "setup_s": setup_s, "weight_bytes": weight_bytes}
 
 
+def replay_ms(graph, device, reps: int = 200) -> float:
+    graph.replay()
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def measure_dflash(target: str, drafter_dir: str, new: int, prompt_len: int, device) -> dict:
+    """The compiled DFlash step's pieces (as the evaluation builds them), each alone, and the loop's step."""
+    from transformers import AutoModelForCausalLM
+
+    from dflashpipe.decode.speculative import DFlashDecoder, drafter_runner, target_runner
+    from dflashpipe.drafter.export import load_drafter
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).to(device).eval()
+    drafter, dcfg = load_drafter(drafter_dir, device=device, dtype=torch.bfloat16)
+    verify = target_runner(model, "compiled", dcfg.target_layer_ids, 1024, graph_sizes=(dcfg.num_drafts + 1,))
+    draft = drafter_runner(drafter, verify, "compiled", 1024)
+    dec = DFlashDecoder(model, drafter, dcfg, eos_ids=[], runner=verify, draft_runner=draft)
+    prompt = torch.randint(100, 1000, (prompt_len,)).tolist()
+    t0 = time.perf_counter()
+    dec.generate(prompt, 16)  # compiles and captures the three pieces
+    setup_s = time.perf_counter() - t0
+    res = dec.generate(prompt, new)
+    pieces = {"draft": draft._graphs["propose"][0], "extend": draft._graphs["extend"][0],
+              "verify": verify._graphs[(dcfg.num_drafts + 1, True)][0]}
+    with torch.no_grad():
+        kernels = {"draft": kernels_of(draft._pieces["propose"], device),
+                   "extend": kernels_of(draft._pieces["extend"], device)}
+        e = verify._graphs[(dcfg.num_drafts + 1, True)]
+        kernels["verify"] = kernels_of(lambda: verify._captured_step(e[1], e[2], True, False), device)
+    out = {"arch": dcfg.arch, "block_size": dcfg.block_size, "num_drafts": dcfg.num_drafts, "setup_s": setup_s,
+           "step_ms": res.decode_s / max(1, res.verify_steps) * 1e3, "steps": res.verify_steps,
+           "tau": res.tau, "tokens": res.decode_tokens}
+    for name, graph in pieces.items():
+        out[f"{name}_kernels"] = kernels[name]
+        out[f"{name}_ms"] = replay_ms(graph, device)
+    out["host_ms"] = out["step_ms"] - sum(out[f"{n}_ms"] for n in pieces)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=120)
+    ap.add_argument("--drafter", help="an exported drafter for this target: split the DFlash step too")
     ap.add_argument("--out")
     a = ap.parse_args()
     device = torch.device("cuda")
@@ -125,6 +176,16 @@ def main() -> int:
               f"{r['memory_bound_ms']:.3f} ms; setup {r['setup_s']:.1f} s", flush=True)
     out = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "node_us": node_us,
            "copy_bytes_per_s": bw, "modes": rows}
+    if a.out:
+        Path(a.out).write_text(json.dumps(out, indent=1))
+    if a.drafter:
+        d = out["dflash_step"] = measure_dflash(a.target, a.drafter, a.new, a.prompt_len, device)
+        ar = rows[-1]
+        print(f"DFlash step ({d['arch']}, {d['num_drafts']} drafts), compiled: {d['step_ms']:.3f} ms = "
+              f"{d['step_ms'] / ar['loop_ms']:.2f} AR tokens ({ar['loop_ms']:.3f} ms); draft {d['draft_kernels']} kernels "
+              f"{d['draft_ms']:.3f} ms, verify {d['verify_kernels']} kernels {d['verify_ms']:.3f} ms, extend "
+              f"{d['extend_kernels']} kernels {d['extend_ms']:.3f} ms, the rest (host) {d['host_ms']:.3f} ms; "
+              f"floor {(d['draft_kernels'] + d['verify_kernels'] + d['extend_kernels']) * node_us / 1e3:.3f} ms", flush=True)
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=1))
     return 0

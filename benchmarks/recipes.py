@@ -170,7 +170,7 @@ def train_one(cfg: dict, target: str, tokenized: str, run: Path, device: str, lo
 
 
 def evaluate_one(cfg: dict, target: str, drafter: Path, prompts: dict, run: Path, device: str, log,
-                 methods=("dflash", "ar")) -> dict:
+                 methods=("dflash", "ar"), sets=None) -> dict:
     from dflashpipe.evaluate.run import evaluate_dataset
     from dflashpipe.evaluate.settings import EvalRun, EvalSettings
 
@@ -180,7 +180,7 @@ def evaluate_one(cfg: dict, target: str, drafter: Path, prompts: dict, run: Path
                             chat_template_kwargs=cfg["expand"]["chat_template_kwargs"])
     out = {}
     for name, spec in cfg["datasets"].items():
-        if spec["use"] != "eval":
+        if spec["use"] != "eval" or (sets and name not in sets):
             continue
         s = evaluate_dataset(EvalRun(settings, target, str(drafter), str(prompts[name]), str(run / f"{name}.samples.parquet"),
                                      str(run / f"{name}.summary.json"), device=device), log=log)
@@ -282,6 +282,8 @@ def main() -> int:
     ap.add_argument("--methods", default="dflash,ar", help="evaluation methods (AR, the reference, always runs)")
     ap.add_argument("--label", help="the rows' recipe name (default: the recipe's), e.g. for a data variant")
     ap.add_argument("--data-only", action="store_true", help="prepare the data (and tokenize) and stop")
+    ap.add_argument("--train-only", action="store_true", help="train and export each run; evaluate nothing")
+    ap.add_argument("--eval-sets", help="evaluate on these eval datasets only (comma-separated; default: all)")
     ap.add_argument("--combine", nargs="+", help="summarise the runs.csv of these earlier --out folders into --out")
     a = ap.parse_args()
     if a.threads:
@@ -320,7 +322,10 @@ def main() -> int:
             run = out / "runs" / f"{recipe}_s{seed}"
             log(f"== {recipe} seed {seed}")
             train = train_one(rc, target, tokenized, run, a.device, log)
-            evs = evaluate_one(rc, target, run / "drafter", prompts, run, a.device, log, a.methods.split(","))
+            if a.train_only:
+                continue
+            evs = evaluate_one(rc, target, run / "drafter", prompts, run, a.device, log, a.methods.split(","),
+                               a.eval_sets.split(",") if a.eval_sets else None)
             for dataset, ev in evs.items():
                 rows.append(row_of(a.label or recipe, seed, dataset, train, ev))
                 r = rows[-1]
