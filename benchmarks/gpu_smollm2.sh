@@ -98,7 +98,9 @@ data)
     if [ -n "$OUTDIR" ]; then
         mkdir -p "$WORK/report_data"
         cp "$DATA"/*_stats.json "$WORK"/prep*/recipes.log "$WORK/report_data/" 2>/dev/null || true
-        for f in "$WORK"/prep_*/recipes.log; do cp "$f" "$WORK/report_data/$(basename "$(dirname "$f")").log"; done
+        for f in "$WORK"/prep_*/recipes.log; do  # the other rules' logs (RULES=all)
+            [ -f "$f" ] && cp "$f" "$WORK/report_data/$(basename "$(dirname "$f")").log"
+        done
         python3 -c "import pandas as pd, glob
 for f in sorted(glob.glob('$DATA/expanded_*.parquet')):
     df = pd.read_parquet(f, columns=['finish_reason', 'num_new_tokens'])
