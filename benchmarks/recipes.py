@@ -6,6 +6,7 @@ target -> tokenize; skipped when ``--data`` already holds them), then, for every
 trains a drafter with the pipeline's training (one rank) and evaluates it with the pipeline's
 evaluation (DFlash and same-harness AR, greedy) on every ``use: eval`` dataset:
 
+* ``config``         the config files' own arch and loss (the workflow's run, e.g. the CPU default)
 * ``dflash_ce``       the paper's recipe (today's default): DFlash, CE on the data, exp decay weights
 * ``dflash_kl_dpace`` distillation: KL to the target's own distribution, D-PACE position weights
 * ``dflash_swa``      DFlash with every layer sliding-window (``--window`` tokens)
@@ -43,6 +44,7 @@ sys.path.insert(0, str(REPO / "workflow"))
 import torch  # noqa: E402
 
 RECIPES = {  # each names its arch and loss: the config files' own choices must not leak into a row
+    "config": {},  # the config files' own drafter and loss, as the workflow trains them
     "dflash_ce": {"drafter": {"arch": "dflash"}, "train": {"loss": "ce", "position_weights": "decay"}},
     "dflash_kl": {"drafter": {"arch": "dflash"}, "train": {"loss": "kl", "position_weights": "decay"}},
     "dflash_kl_dpace": {"drafter": {"arch": "dflash"}, "train": {"loss": "kl", "position_weights": "dpace"}},
