@@ -120,9 +120,10 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
 
     from dflashpipe.drafter.data import make_batch
     from dflashpipe.drafter.distributed import data_parallel, gather, init_dist, adamw
-    from dflashpipe.drafter.model import ARCH_KEYS, DFlashDrafter, DrafterConfig
-    from dflashpipe.drafter.step import apply_compile_mode, resolve_setup, train_step
-    from dflashpipe.drafter.train import TrainConfig, prepare_target, resolve_device
+    from dflashpipe.drafter.features import prepare_target
+    from dflashpipe.drafter.model import ARCH_KEYS, DFlashDrafter, DrafterConfig, apply_compile_mode
+    from dflashpipe.drafter.step import resolve_setup, train_step
+    from dflashpipe.drafter.train import TrainConfig, resolve_device
 
     cuda = a.device.startswith("cuda")
     shapes = TINY if a.tiny else QWEN3_8B

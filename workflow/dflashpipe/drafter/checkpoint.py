@@ -1,4 +1,5 @@
-"""Checkpoints of a training run, its metrics history, and what makes a run the same run.
+"""Checkpoints of a training run, what makes a run the same run, its resume, its metrics history (with its
+experiment tracking) and its published outputs.
 
 A run's checkpoints live in ``run_dir/checkpoints/<key>/``; the key hashes the
 run identity (:func:`run_identity`): everything that changes the trained
@@ -43,9 +44,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from dflashpipe.jobs.atomic import atomic_path, torch_save, write_json
 from dflashpipe.jobs.errors import UserError
+from dflashpipe.jobs.faults import failpoint
+from dflashpipe.jobs.tracking import Tracker
+
+from .distributed import broadcast_int, full_optimizer_state, gather, peak_mem_mb
 
 METRIC_FIELDS = (
     "step", "epoch", "loss", "acc", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu",
@@ -106,6 +112,91 @@ def start_run(ckpt_dir: Path, identity: dict, log=print) -> None:
         log(f"{ckpt_dir} holds a finished run of the same code and settings: it resumes from its newest checkpoint "
             "that loads")
     write_json(ckpt_dir / "identity.json", identity)
+
+
+def resume(run, rank: int, log=print) -> dict | None:
+    """The newest intact checkpoint of ``run`` (a :class:`~dflashpipe.drafter.train.TrainRun`), at any K:
+    rank 0 clears a killed writer's leftovers and chooses it, every other rank loads the same one; None: a
+    fresh start."""
+    state = None
+    if rank == 0:
+        start_run(run.ckpt_dir, run.identity, log)
+        state = load_checkpoint(run.ckpt_dir, run.identity, log)
+    chosen = broadcast_int(state["step"] if state is not None else 0)
+    if rank != 0 and chosen:
+        state = load_checkpoint(run.ckpt_dir, run.identity, log, step=chosen)
+    return state
+
+
+def publish(r, p, history: MetricsHistory) -> dict:
+    """The run's summary; its outputs, written by rank 0 once every rank finished (the metrics history, the
+    final weights, the summary): no rank returns before they exist. ``r`` and ``p``: the rank and the
+    progress of its loop (:class:`~dflashpipe.drafter.loop.Rank`, :class:`~dflashpipe.drafter.loop.Progress`)."""
+    run = r.run
+    summary = run_summary(r, p)
+    if r.rank == 0:
+        try:
+            failpoint("train.export", rank=r.rank)
+            history.publish(run.metrics_csv)
+            if run.final_state:  # the final weights, for the export rule (drafter/export.py: export_final)
+                save_final_state(run.final_state, r.drafter, r.dcfg, r.data.total_steps, r.setup.autocast_dtype)
+                r.log(f"final weights (step {r.data.total_steps}) in {run.final_state}")
+            write_json(run.summary_json, summary)
+        except OSError as err:
+            raise UserError(
+                f"train: cannot write the run's outputs ({err}); fix that and rerun: the run resumes at its final "
+                f"checkpoint in {run.ckpt_dir} and only writes them"
+            ) from None
+    dist.barrier()  # no rank reports success before the outputs exist
+    return summary
+
+
+def run_summary(r, p) -> dict:
+    """The run's summary (the same on every rank; a collective), with each rank's own figures: ``r`` and ``p``,
+    the rank and the progress of its loop (:mod:`.loop`)."""
+    cfg, setup, data, dev, world_size, last = r.run.cfg, r.setup, r.data, r.setup.device, r.run.world_size, p.last
+    steady = p.step_times[1:] or p.step_times  # the first step includes any compile
+    steady_tokens = p.step_tokens[1:] or p.step_tokens
+    tokens_per_s = (sum(steady_tokens) / sum(steady)) if steady else None
+    ranks = gather({
+        "rank": r.rank,
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "hot_start": p.hot,
+        "first_step_seconds": p.first_step_seconds,
+        "time_to_first_step_s": (p.t_first_done - p.t_start) if p.t_first_done else None,
+        "peak_mem_mb": peak_mem_mb(dev),
+        "started_at": p.t_start,
+        "finished_at": time.time(),
+    })
+    return {
+        "steps": data.total_steps,
+        "epochs": data.total_steps / data.steps_per_epoch,
+        "steps_per_epoch": data.steps_per_epoch,
+        "global_batch": cfg.batch_size,
+        "rank_batch": setup.rank_batch,
+        "train_samples": len(data.train_idx),
+        "heldout_samples": len(data.heldout_idx),
+        "final_loss": last["loss"],
+        "final_acc": last["acc"],
+        "heldout_loss": last["heldout_loss"],
+        "heldout_acc": last["heldout_acc"],
+        # expected tau of greedy decoding on the held-out blocks (heldout.py), to set beside the measured one
+        "heldout_sim_tau": last.get("heldout_sim_tau"),
+        "heldout_accept_by_position": last.get("accept_by_position"),
+        "arch": r.dcfg.arch,
+        "loss": cfg.loss,
+        "position_weights": cfg.position_weights,
+        "tokens_per_s": tokens_per_s,  # context tokens of all ranks per second
+        "tokens_per_s_per_gpu": tokens_per_s / world_size if tokens_per_s else None,
+        "total_seconds": time.time() - p.t_start,
+        "world_size": world_size,
+        "attention": setup.attention,
+        "dtype": "bf16" if setup.autocast_dtype else "fp32",
+        "resumed_from_step": p.start_step or None,
+        "checkpoint_dir": str(r.run.ckpt_dir),
+        "ranks": ranks,
+    }
 
 
 def heldout_code() -> str:
@@ -236,20 +327,31 @@ def load_checkpoint(ckpt_dir: Path, identity: dict, log=print, step: int | None 
 
 
 class MetricsHistory:
-    """The run's per-step metrics, kept with its checkpoints (rank 0 writes; others hold a no-op)."""
+    """A rank's record of its run, kept with the checkpoints: the per-step metrics, the experiment tracking
+    (TensorBoard / W&B, :class:`~dflashpipe.jobs.tracking.Tracker`) and the checkpoints themselves. Rank 0
+    writes; the other ranks take part in the checkpoint's collective and write nothing."""
 
-    def __init__(self, ckpt_dir: Path, resume_step: int, writer: bool, log=print):
-        self.path = Path(ckpt_dir) / "metrics.csv"
+    def __init__(self, r, resume_step: int):
+        """``r``: the rank (:class:`~dflashpipe.drafter.loop.Rank`: its run, drafter, optimiser and log)."""
+        run, writer = r.run, r.rank == 0
+        self.path = Path(run.ckpt_dir) / "metrics.csv"
+        self.identity = run.identity
+        self.drafter, self.opt, self.log = r.drafter, r.opt, r.log
         self._file = None
-        if not writer:
-            return
+        if writer:
+            self._open(resume_step)
+        self.tracker = Tracker(run.ckpt_dir, run.identity, resume_step, enabled=writer, tensorboard=run.cfg.tensorboard,
+                               wandb=run.cfg.wandb, wandb_project=run.cfg.wandb_project, log=r.log)
+
+    def _open(self, resume_step: int) -> None:
+        """The history cut back to the checkpoint it resumes, open for appending."""
         kept = []
         if resume_step > 0 and self.path.is_file():
             with open(self.path, newline="") as f:
                 kept = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= resume_step]
         if [int(r["step"]) for r in kept] != list(range(1, resume_step + 1)):
-            log(f"WARNING: {self.path} holds {len(kept)} rows for the {resume_step} steps of the checkpoint it resumes "
-                "(a lost write); the published metrics will miss those steps")
+            self.log(f"WARNING: {self.path} holds {len(kept)} rows for the {resume_step} steps of the checkpoint it "
+                     "resumes (a lost write); the published metrics will miss those steps")
         with atomic_path(self.path) as tmp:
             with open(tmp, "w", newline="") as f:
                 w = csv.DictWriter(f, fieldnames=METRIC_FIELDS, extrasaction="ignore", lineterminator="\n")
@@ -258,20 +360,33 @@ class MetricsHistory:
         self._file = open(self.path, "a", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=METRIC_FIELDS, extrasaction="ignore", lineterminator="\n")
 
-    def write(self, row: dict) -> None:
+    def record(self, row: dict, held: dict | None, start: dict | None, last: dict | None) -> None:
+        """Step ``row["step"]``: its metrics row and tracker events (``held``: the held-out figures when the step
+        evaluated; ``start``: this launch's start figures at its first step, :meth:`Tracker.log_start`'s
+        keywords) and, when ``last`` is given, its checkpoint with those latest figures. Every rank calls it."""
+        step = int(row["step"])
         if self._file is not None:
             self._writer.writerow(row)
             self._file.flush()
-
-    def sync(self) -> None:
-        """On disk before the checkpoint of the same step: a resume never finds a gap."""
-        if self._file is not None:
+        if start is not None:
+            self.tracker.log_start(step, **start)
+        self.tracker.log_step(row, held and held["acc_by_position"], held and held["accept_by_position"])
+        if last is None:
+            return
+        optimizer_state = full_optimizer_state(self.opt)  # a collective: every rank takes part
+        if self._file is not None:  # the history and the events on disk first: a resume never finds a gap
             os.fsync(self._file.fileno())
+        self.tracker.flush()
+        if self._file is not None:
+            path = save_checkpoint(self.path.parent, step, self.drafter.state_dict(), optimizer_state, self.identity,
+                                   last)
+            self.log(f"checkpoint step {step}: {path.name}")
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        self.tracker.close()
 
     def publish(self, out_path: str) -> None:
         """Copy the whole history to the run's metrics output, atomically."""

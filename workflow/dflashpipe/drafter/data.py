@@ -16,11 +16,15 @@ order, same anchors), and a resumed run repeats the steps a killed one lost:
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from dflashpipe.jobs.errors import UserError
+
+from .distributed import check_same_on_all_ranks
 from .masks import sample_anchors
 
 #: Salts that keep the anchor streams of training, held-out evaluation and priming apart.
@@ -84,6 +88,42 @@ class RunData:
     pad_id: int
     steps_per_epoch: int
     total_steps: int
+    _epoch: dict = field(default_factory=dict, repr=False, compare=False)  # the current epoch's batch order
+
+    def batch(self, step: int, rank: int, setup) -> Batch:
+        """Rank ``rank``'s slice of step ``step``'s global batch (1-based), on the setup's device (``setup``:
+        the run's :class:`~dflashpipe.drafter.step.Setup`); anchors seeded by (seed, epoch, step, sample)."""
+        cfg = setup.cfg
+        epoch, pos = divmod(step - 1, self.steps_per_epoch)
+        if epoch not in self._epoch:  # one epoch's order kept: the steps walk the epochs in order
+            self._epoch.clear()
+            self._epoch[epoch] = epoch_batches(self.buckets, self.train_idx, cfg.seed, epoch, cfg.batch_size)
+        idx = rank_slice(self._epoch[epoch][pos], rank, setup.world_size)
+        seeds = [sample_seed(cfg.seed, TRAIN_SALT, epoch, step, int(i)) for i in idx]
+        return make_batch(self.ds[idx.tolist()], int(self.buckets[idx[0]]), seeds, self.pad_id, cfg, setup.device,
+                          index=idx)
+
+
+def run_data(ds, cfg, pad_id: int, source: str) -> RunData:
+    """A run's tokenized data ``ds`` (:func:`dflashpipe.inputs.tokenize.load_tokenized` of ``source``), its
+    held-out split and the number of steps (the same on every rank). ``cfg``: the run's
+    :class:`~dflashpipe.drafter.train.TrainConfig`."""
+    buckets = np.asarray(ds["bucket"], dtype=np.int64)
+    train_idx, heldout_idx = heldout_split(list(ds["dataset"]), list(ds["id"]), cfg.heldout_samples)
+    steps_per_epoch = len(epoch_batches(buckets, train_idx, cfg.seed, 0, cfg.batch_size))
+    if steps_per_epoch == 0:
+        raise UserError(
+            f"train: {len(train_idx)} training samples (after holding out {len(heldout_idx)}) give no complete "
+            f"batch of train.batch_size {cfg.batch_size} samples in any length bucket of {source}; lower "
+            f"train.batch_size or train.heldout_samples, or add data"
+        )
+    total_steps = math.ceil(cfg.epochs * steps_per_epoch)
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+    if total_steps <= 0:
+        raise UserError(f"train: epochs={cfg.epochs} and max_steps={cfg.max_steps} leave no step to run")
+    check_same_on_all_ranks(samples=len(ds), steps_per_epoch=steps_per_epoch, total_steps=total_steps)
+    return RunData(ds, buckets, train_idx, heldout_idx, pad_id, steps_per_epoch, total_steps)
 
 
 @dataclass

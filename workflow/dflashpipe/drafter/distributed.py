@@ -17,6 +17,7 @@ scalars, but without DDP or ZeRO: the drafter and plain AdamW):
 from __future__ import annotations
 
 import datetime
+import resource
 
 import torch
 import torch.distributed as dist
@@ -76,6 +77,35 @@ def gather(obj) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def peak_mem_mb(device: torch.device) -> float:
+    """This rank's peak memory so far: on a GPU, its allocated memory; on the CPU, the process's."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def data_parallel_training(drafter: torch.nn.Module, cfg, device: torch.device, world_size: int, state: dict | None):
+    """(the drafter in DDP, its optimiser) of a run (``cfg``: its TrainConfig's ``lr`` and
+    ``weight_decay``), from the checkpoint ``state`` it resumes (None: a fresh start)."""
+    if state is not None:
+        drafter.load_state_dict(state["model"])
+    model = data_parallel(drafter, world_size)  # DDP broadcasts rank 0's weights: identical start everywhere
+    opt = adamw(model, cfg.lr, cfg.weight_decay, device, world_size)
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        _fused_steps_on_device(opt)
+    return model, opt
+
+
+def _fused_steps_on_device(opt) -> None:
+    """ZeRO's load moves AdamW's 0-dim ``step`` to the CPU; fused AdamW wants it on the parameter's device."""
+    if not hasattr(opt, "optim") or not opt.optim.defaults.get("fused"):  # plain AdamW (K = 1) loads it in place
+        return
+    for p, s in opt.optim.state.items():
+        if torch.is_tensor(s.get("step")):
+            s["step"] = s["step"].to(p.device)
 
 
 def data_parallel(model: torch.nn.Module, world_size: int) -> torch.nn.Module:

@@ -131,6 +131,17 @@ def trim_unused_layers(target, layer_ids) -> int:
 
 
 @torch.no_grad()
+def prepare_target(target, cfg, setup, layer_ids) -> dict:
+    """The loaded target as training runs it: trimmed to the tapped layers (unless distillation reads
+    its last layer and LM head) and, with ``train.target_fp8``, its decoder linears in FP8 (:mod:`.fp8`)."""
+    from .fp8 import quantize_decoder_linears
+
+    done = {"layers_dropped": 0 if setup.objective.needs_teacher else trim_unused_layers(target, layer_ids)}
+    if cfg.target_fp8:
+        done["fp8"] = quantize_decoder_linears(target)
+    return done
+
+
 def _hf_features(target, input_ids, attention_mask, layer_ids, final: bool = False):
     out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False,
                  logits_to_keep=1)

@@ -744,6 +744,42 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
 
+def apply_compile_mode(setup, drafter) -> None:
+    """Give the drafter the step setup's compile mode; on the flex (CUDA) path, guard the compiled path.
+
+    ``setup``: the :class:`~dflashpipe.drafter.step.Setup` of the run (its ``attention``, ``compile``
+    and ``cfg.activation_memory_budget``).
+
+    ``layers``: the drafter's layers (flex_attention inside), the target's
+    layers and the loss chunks run as compiled graphs, one each shared by all
+    layers (norms, RoPE, SwiGLU, softmax-CE fused); ``flex``: only
+    flex_attention is compiled; ``none``: nothing is. On the flex path any
+    dense (uncompiled) flex_attention call is an error, whatever the mode: with
+    ``none`` the first attention call stops with one line instead of
+    materialising the full score matrix. Shapes are static: one graph per bucket.
+
+    Dynamo's DDP optimiser is off: it would split a graph compiled inside
+    DistributedDataParallel's forward at gradient-bucket boundaries, so a shard
+    would compile other graphs than the single-process warm job. The compiled
+    regions are single layers, whose gradients become ready layer by layer, so
+    DDP's bucketed all-reduces overlap the backward without it.
+
+    ``train.activation_memory_budget`` (< 1) makes AOTAutograd's partitioner keep fewer of the
+    compiled graphs' activations and recompute the rest in the backward. Like the Dynamo setting
+    above it is process-wide: a warm job and a rank are processes of their own.
+    """
+    from dflashpipe.jobs.hotstart import forbid_dense_flex
+
+    drafter.set_compile_mode(setup.compile)
+    if setup.attention == "flex":
+        forbid_dense_flex()
+        torch._dynamo.config.optimize_ddp = False
+    if setup.compile != "none":  # read when AOTAutograd partitions a graph (and part of its cache key)
+        from torch._functorch import config as functorch_config
+
+        functorch_config.activation_memory_budget = setup.cfg.activation_memory_budget
+
+
 def window_mask(block_positions: torch.Tensor, ctx_positions: torch.Tensor, window: int | None):
     """The inference mask of one drafted block: None (everything visible) without a window, else
     bool [B, 1, Q, T+Q]: context key j visible iff position - j < window; the block sees itself whole.

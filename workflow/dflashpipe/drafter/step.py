@@ -27,8 +27,8 @@ from .distributed import all_reduce_
 from .features import TargetCache, compiled_target_layer, context_features
 from .loss import (DSPARK_CONFIDENCE, EAGER_CE, ChunkCE, Objective, block_loss, compiled_chunk_ce, confidence_loss,
                    selector_loss)
-from .masks import block_mask, block_position_ids, build_block_inputs, default_gamma, dense_mask, dpace_weights
-from .model import resolve_layer_types
+from .masks import attention_masks, block_position_ids, build_block_inputs, default_gamma, dpace_weights
+from .model import apply_compile_mode, resolve_layer_types  # noqa: F401 - apply_compile_mode: the step's too
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Setup:
 
     How the step's hot functions run is part of it: ``target_layer`` and ``chunk_ce``
     (compiled with ``compile: layers`` on the flex path, eager otherwise); the drafter
-    carries its own mode (:func:`apply_compile_mode`). Process-wide settings are made in :func:`apply_compile_mode` only.
+    carries its own mode (:func:`.model.apply_compile_mode`). Process-wide settings are made there only.
     """
 
     cfg: object  # the run's TrainConfig: the keys read as they are (block_size, num_anchors, grad_clip, ...)
@@ -49,8 +49,8 @@ class Setup:
     autocast_dtype: torch.dtype | None  # bf16 on CUDA (fp32 master weights), None: plain fp32
     target_dtype: torch.dtype
     label_shift: int  # DrafterConfig.label_shift: DSpark's slots predict one token further (every slot drafts)
-    mask_token_id: int
-    layer_ids: list[int]
+    mask_token_id: int  # the drafter config's (train.build fills it in once the target is loaded)
+    layer_ids: list[int]  # the target layers the drafter taps (likewise)
     gamma: float
     rank_batch: int  # sequences per rank per step: train.batch_size / K
     world_size: int  # K: the run's ranks
@@ -81,6 +81,7 @@ def resolve_setup(cfg, device: str, mask_token_id: int, layer_ids: list[int], wo
     if dspark and cfg.position_weights == "dpace":
         raise UserError("train.position_weights: dpace re-weighs rows after their gradients are taken, which the "
                         "Markov head of drafter.arch dspark cannot follow; use decay")
+    cache = cfg.cache_target_features and not target_cache_off(cfg, world_size)
     cap = cfg.final_logit_softcapping if dflash2 else None
     objective = Objective(loss=cfg.loss, tv_weight=cfg.tv_weight, multiplier=cfg.output_multiplier if dflash2 else 1.0,
                           cap=float(cap) if cap else None, accept=dspark)
@@ -103,7 +104,7 @@ def resolve_setup(cfg, device: str, mask_token_id: int, layer_ids: list[int], wo
         windows={t: (cfg.sliding_window if t == "sliding_attention" else None) for t in layer_types},
         target_layer=compiled_target_layer() if layers else None,  # torch.compile is lazy: nothing compiles here
         chunk_ce=compiled_chunk_ce() if layers else EAGER_CE,
-        target_cache=TargetCache() if cfg.cache_target_features and not target_cache_off(cfg, world_size) else None,
+        target_cache=TargetCache() if cache else None,
     )
 
 
@@ -115,39 +116,6 @@ def target_cache_off(cfg, world_size: int) -> str | None:
             "epoch, so a step (it waits for its slowest rank) would skip the target in only 60% of the steps at 2 "
             "ranks and 20% at 4 (simulated on the default run) while every rank cached nearly all samples; it is on "
             "with one rank")
-
-
-def apply_compile_mode(setup: Setup, drafter) -> None:
-    """Give the drafter the setup's compile mode; on the flex (CUDA) path, guard the compiled path.
-
-    ``layers``: the drafter's layers (flex_attention inside), the target's
-    layers and the loss chunks run as compiled graphs, one each shared by all
-    layers (norms, RoPE, SwiGLU, softmax-CE fused); ``flex``: only
-    flex_attention is compiled; ``none``: nothing is. On the flex path any
-    dense (uncompiled) flex_attention call is an error, whatever the mode: with
-    ``none`` the first attention call stops with one line instead of
-    materialising the full score matrix. Shapes are static: one graph per bucket.
-
-    Dynamo's DDP optimiser is off: it would split a graph compiled inside
-    DistributedDataParallel's forward at gradient-bucket boundaries, so a shard
-    would compile other graphs than the single-process warm job. The compiled
-    regions are single layers, whose gradients become ready layer by layer, so
-    DDP's bucketed all-reduces overlap the backward without it.
-
-    ``train.activation_memory_budget`` (< 1) makes AOTAutograd's partitioner keep fewer of the
-    compiled graphs' activations and recompute the rest in the backward. Like the Dynamo setting
-    above it is process-wide: a warm job and a rank are processes of their own.
-    """
-    from dflashpipe.jobs.hotstart import forbid_dense_flex
-
-    drafter.set_compile_mode(setup.compile)
-    if setup.attention == "flex":
-        forbid_dense_flex()
-        torch._dynamo.config.optimize_ddp = False
-    if setup.compile != "none":  # read when AOTAutograd partitions a graph (and part of its cache key)
-        from torch._functorch import config as functorch_config
-
-        functorch_config.activation_memory_budget = setup.cfg.activation_memory_budget
 
 
 def lr_at(step: int, total_steps: int, cfg) -> float:
@@ -163,14 +131,6 @@ def lr_at(step: int, total_steps: int, cfg) -> float:
 
 def _no_mark(phase: str) -> None:
     pass
-
-
-def attention_masks(batch, setup: Setup, S: int):
-    """The training attention mask(s): one per distinct layer type (a dict when layers differ)."""
-    build = block_mask if setup.attention == "flex" else dense_mask
-    kw = {"device": setup.device} if setup.attention == "flex" else {}
-    masks = {t: build(batch.anchors, batch.keep, S, setup.cfg.block_size, window=w, **kw) for t, w in setup.windows.items()}
-    return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
 def _rows_before_labels(anchors: torch.Tensor, S: int, bs: int, shift: int = 0) -> torch.Tensor:
@@ -221,8 +181,8 @@ def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
     selector = getattr(drafter, "candidate_selector", None) if setup.selector_weight > 0 else None
     markov = getattr(drafter, "markov_head", None)
     with torch.no_grad():
-        target_hidden, final = _target_outputs(target, batch, setup, obj.needs_teacher)
         rows = _rows_before_labels(batch.anchors, S, bs, setup.label_shift)
+        target_hidden, final = _target_outputs(target, batch, setup, obj.needs_teacher)
         teacher = final if obj.needs_teacher else None  # the target's last hidden state: rows index it
         block_ids, labels, weights = build_block_inputs(
             batch.input_ids, batch.loss_mask, batch.anchors, batch.keep, bs, setup.mask_token_id, setup.gamma,

@@ -10,8 +10,8 @@ drafter (same samples per step, same order, same anchors; :mod:`.data`), only
 sooner. Gradients are exchanged by DDP and the AdamW state is sharded (ZeRO-1;
 :mod:`.distributed`); the step itself is in :mod:`.step`, the loop over the steps in
 :mod:`.loop`, checkpoints and the metrics history in :mod:`.checkpoint`, the held-out figures in
-:mod:`.heldout`. Here: the run, building a rank, and the sections around the loop (data, resume,
-hot start, outputs).
+:mod:`.heldout`. Here: the run, building a rank's models (:func:`build`, which the compile-warm job
+shares), and :func:`train_rank`, read top to bottom: build, data, resume, hot start, loop, outputs.
 
 Optimiser: AdamW, fp32 master weights (bf16 autocast on CUDA), linear warm-up
 then cosine, grad clip on the global norm.
@@ -20,7 +20,6 @@ then cosine, grad clip on the global norm.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -29,21 +28,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflashpipe.jobs.atomic import write_json
-from dflashpipe.jobs.errors import UserError
-from dflashpipe.jobs.faults import failpoint
 from dflashpipe.jobs.runtime import Laps
 from dflashpipe.jobs.settings import schema_settings
 from dflashpipe.jobs.tracking import check_available
 
-from .checkpoint import checkpoint_dir, load_checkpoint, run_identity, save_final_state, start_run
-from .data import RunData, epoch_batches, heldout_split
-from .distributed import adamw, broadcast_int, check_same_on_all_ranks, data_parallel, gather, init_dist
-from .features import trim_unused_layers
-from .fp8 import check_fp8_device, quantize_decoder_linears
-from .loop import Progress, Rank, peak_mem_mb, train_loop
-from .model import ARCH_FIELDS, ARCH_KEYS, DFlashDrafter, DrafterConfig
-from .step import apply_compile_mode, compile_signature, prime_buckets, resolve_setup, target_cache_off
+from .checkpoint import checkpoint_dir, publish, resume, run_identity
+from .data import run_data
+from .distributed import init_dist
+from .features import prepare_target
+from .fp8 import check_fp8_device
+from .loop import FIGURES, Progress, Rank, train_loop
+from .model import ARCH_FIELDS, ARCH_KEYS, DFlashDrafter, DrafterConfig, apply_compile_mode
+from .step import compile_signature, prime_buckets, resolve_setup, target_cache_off
 
 # ---------------------------------------------------------------------------
 # Config
@@ -174,34 +170,25 @@ def build(cfg: TrainConfig, target_dir: str, dev: torch.device, world_size: int,
     from dflashpipe.inputs.target import load_target, resolve_mask_token
 
     laps = laps or Laps()
-
-    early = resolve_setup(cfg, str(dev), 0, [0], world_size)  # validates attention/dtype/batch before the slow load
+    setup = resolve_setup(cfg, str(dev), 0, [0], world_size)  # validates attention/dtype/batch before the slow load
     mask_id, _ = resolve_mask_token(target_dir, cfg.mask_token_id)  # the rule the start-up check applied
     if cfg.target_fp8:
         check_fp8_device(dev)
-    target, tokenizer = load_target(target_dir, str(dev), early.target_dtype)
+    target, tokenizer = load_target(target_dir, str(dev), setup.target_dtype)
+    laps.lap("target")
     dcfg = DrafterConfig.from_target_config(target.config, cfg.num_layers, cfg.block_size, mask_id, cfg.target_layer_ids,
                                             **{k: getattr(cfg, k) for k in ARCH_KEYS})
-    setup = resolve_setup(cfg, str(dev), dcfg.mask_token_id, dcfg.target_layer_ids, world_size)
-    prepare_target(target, cfg, setup, dcfg.target_layer_ids)
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    laps.lap("target")
-    pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dcfg).to(dev).train()  # fp32 master weights
+    setup = replace(setup, mask_token_id=int(dcfg.mask_token_id), layer_ids=list(dcfg.target_layer_ids))
     apply_compile_mode(setup, drafter)
     laps.lap("drafter")
+    prepare_target(target, cfg, setup, dcfg.target_layer_ids)  # trimmed (and in FP8), as training runs it
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    laps.lap("target")  # its load and its preparation, in one figure
+    pad_id = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if i is not None)
     return target, dcfg, setup, drafter, pad_id
-
-
-def prepare_target(target, cfg: TrainConfig, setup, layer_ids) -> dict:
-    """The loaded target as training runs it: trimmed to the tapped layers (unless distillation reads
-    its last layer and LM head) and, with ``train.target_fp8``, its decoder linears in FP8."""
-    done = {"layers_dropped": 0 if setup.objective.needs_teacher else trim_unused_layers(target, layer_ids)}
-    if cfg.target_fp8:
-        done["fp8"] = quantize_decoder_linears(target)
-    return done
 
 
 def warm_compile(cfg: TrainConfig, tokenized_dir: str, target_dir: str, device: str, world_size: int,
@@ -234,194 +221,56 @@ def warm_compile(cfg: TrainConfig, tokenized_dir: str, target_dir: str, device: 
 def train_rank(run: TrainRun, rank: int, device: str, *, log=print, hot_start=None) -> dict:
     """Run rank ``rank`` of ``run`` (of ``run.world_size`` ranks) on ``device``; returns the run's summary.
 
-    Rank 0 publishes the outputs (``run.metrics_csv``, ``run.summary_json``, ``run.final_state``) once
-    every rank has finished. ``hot_start``: a callable ``(signature: dict) -> checker`` (see
-    :mod:`dflashpipe.jobs.hotstart`): it validates the slot's warm stamp against this rank's compile signature
-    before anything compiles, and the checker's ``after_first_step(log)`` proves, after every bucket has
-    been primed, that nothing was compiled from scratch and forbids compiles from then on. The run's
-    identity is the one the launcher computed (computed here if ``run`` has none).
+    Read top to bottom: the rank built (models, data, the resumed state and the optimiser), its start
+    logged, the hot start, the steps (:func:`.loop.train_loop`), the outputs. Rank 0 publishes them
+    (``run.metrics_csv``, ``run.summary_json``, ``run.final_state``) once every rank has finished.
+    ``hot_start``: a callable ``(signature: dict) -> checker`` (see :mod:`dflashpipe.jobs.hotstart`): it
+    validates the slot's warm stamp against this rank's compile signature before anything compiles, and
+    the checker's ``after_first_step(log)`` proves, after every bucket has been primed, that nothing was
+    compiled from scratch and forbids compiles from then on. The run's identity is the one the launcher
+    computed (computed here, first, if ``run`` has none).
     """
-    check_available(run.cfg.tensorboard, run.cfg.wandb)  # a tracker asked for but not installed: one line first
-    laps = Laps()
-    t_start = laps.t
-    dev = resolve_device(device)
-    laps.lap("device")
-    init_dist(run.init_method, rank, run.world_size, dev, run.cfg.dist_timeout_s)
-    laps.lap("process group")
-    try:
-        run = run.identified()
-        laps.lap("run identity")
-        r, start_step, last = _build_rank(run, rank, dev, log, laps)
-        _log_start(r, start_step, t_start, laps)
-        p = Progress(start_step, last, t_start, hot=_hot_start(r, hot_start) if hot_start is not None else None)
-        history = train_loop(r, p)
-        return _publish(r, p, history)
-    finally:
-        dist.destroy_process_group()
-
-
-def _build_rank(run: TrainRun, rank: int, dev: torch.device, log, laps: Laps) -> tuple[Rank, int, dict]:
-    """The rank built: models, data, resumed state and optimiser; with the step it resumes at and its figures."""
-    target, dcfg, setup, drafter, pad_id = build(run.cfg, run.target_dir, dev, run.world_size, laps)
-    data = load_data(run, pad_id)
-    laps.lap("data")
-    model, opt, start_step, last = _resume(run, rank, drafter, dev, log)
-    laps.lap("checkpoint and optimizer")
-    return Rank(run, rank, setup, dcfg, target, drafter, model, opt, data, log), start_step, last
-
-
-# -- data ------------------------------------------------------------------------
-
-
-def load_data(run: TrainRun, pad_id: int) -> RunData:
-    """The run's tokenized data, its held-out split and the number of steps (the same on every rank)."""
     from dflashpipe.inputs.tokenize import load_tokenized
 
-    cfg = run.cfg
-    ds = load_tokenized(run.tokenized_dir)
-    buckets = np.asarray(ds["bucket"], dtype=np.int64)
-    train_idx, heldout_idx = heldout_split(list(ds["dataset"]), list(ds["id"]), cfg.heldout_samples)
-    steps_per_epoch = len(epoch_batches(buckets, train_idx, cfg.seed, 0, cfg.batch_size))
-    if steps_per_epoch == 0:
-        raise UserError(
-            f"train: {len(train_idx)} training samples (after holding out {len(heldout_idx)}) give no complete "
-            f"batch of train.batch_size {cfg.batch_size} samples in any length bucket of {run.tokenized_dir}; lower "
-            f"train.batch_size or train.heldout_samples, or add data"
-        )
-    total_steps = math.ceil(cfg.epochs * steps_per_epoch)
-    if cfg.max_steps is not None:
-        total_steps = min(total_steps, cfg.max_steps)
-    if total_steps <= 0:
-        raise UserError(f"train: epochs={cfg.epochs} and max_steps={cfg.max_steps} leave no step to run")
-    check_same_on_all_ranks(samples=len(ds), steps_per_epoch=steps_per_epoch, total_steps=total_steps)
-    return RunData(ds, buckets, train_idx, heldout_idx, pad_id, steps_per_epoch, total_steps)
-
-
-# -- resume: the newest intact checkpoint of this run (rank 0 chooses), at any K ------
-
-
-def _resume(run: TrainRun, rank: int, drafter, dev: torch.device, log) -> tuple:
-    """(model in DDP, optimiser, start step, latest figures), from the run's newest checkpoint if any."""
-    state = None
-    if rank == 0:
-        start_run(run.ckpt_dir, run.identity, log)
-        state = load_checkpoint(run.ckpt_dir, run.identity, log)
-    chosen = broadcast_int(state["step"] if state is not None else 0)
-    if rank != 0 and chosen:
-        state = load_checkpoint(run.ckpt_dir, run.identity, log, step=chosen)
-    start_step, last = 0, {"loss": None, "acc": None, "heldout_loss": None, "heldout_acc": None,
-                           "heldout_sim_tau": None, "accept_by_position": None}
-    if state is not None:
-        drafter.load_state_dict(state["model"])
-        start_step, last = int(state["step"]), dict(state["last"])
-    model = data_parallel(drafter, run.world_size)  # DDP broadcasts rank 0's weights: identical start everywhere
-    opt = adamw(model, run.cfg.lr, run.cfg.weight_decay, dev, run.world_size)
-    if state is not None:
-        opt.load_state_dict(state["optimizer"])
-        _fused_steps_on_device(opt)
-    return model, opt, start_step, last
-
-
-def _log_start(r: Rank, start_step: int, t_start: float, laps: Laps) -> None:
-    cfg, setup, data, world_size = r.run.cfg, r.setup, r.data, r.run.world_size
-    r.log(
-        f"train rank {r.rank}/{world_size} on {setup.device}: {len(data.train_idx)} train / {len(data.heldout_idx)} held-out "
-        f"samples, {data.steps_per_epoch} steps/epoch, {data.total_steps} steps of {cfg.batch_size} sequences "
-        f"({setup.rank_batch} on this rank), attention={setup.attention}, "
-        f"dtype={'bf16 autocast' if setup.autocast_dtype else 'fp32'}"
-        + (f", resumed from step {start_step}" if start_step else "")
-    )
-    r.log(f"set up in {time.time() - t_start:.1f} s ({laps})")
-    cache_off = target_cache_off(cfg, world_size)
-    if cache_off and r.rank == 0:
-        r.log(cache_off)
-
-
-# -- hot start: every compile up front, from the slot's warm cache -----------------
-
-
-def _hot_start(r: Rank, hot_start) -> dict:
-    """Validate the slot's warm stamp, prime every bucket, prove nothing compiled from scratch."""
-    checker = hot_start(compile_signature(r.setup, r.dcfg.to_dict(), r.data.buckets))
-    t_prime = time.time()
-    prime_buckets(r.model, r.target, r.data.ds, r.data.buckets, r.setup, r.data.pad_id, r.log)
-    return {"prime_seconds": time.time() - t_prime, "counters": checker.after_first_step(r.log)}
-
-
-# -- outputs: published by rank 0 once every rank got here ----------------------------
-
-
-def _publish(r: Rank, p: Progress, history) -> dict:
-    """The run's summary; rank 0 writes the outputs, and no rank returns before they exist."""
-    run = r.run
-    summary = _summary(r, p)
-    if r.rank == 0:
-        try:
-            failpoint("train.export", rank=r.rank)
-            history.publish(run.metrics_csv)
-            if run.final_state:  # the final weights, for the export rule (drafter/export.py: export_final)
-                save_final_state(run.final_state, r.drafter, r.dcfg, r.data.total_steps, r.setup.autocast_dtype)
-                r.log(f"final weights (step {r.data.total_steps}) in {run.final_state}")
-            write_json(run.summary_json, summary)
-        except OSError as err:
-            raise UserError(
-                f"train: cannot write the run's outputs ({err}); fix that and rerun: the run resumes at its final "
-                f"checkpoint in {run.ckpt_dir} and only writes them"
-            ) from None
-    dist.barrier()  # no rank reports success before the outputs exist
-    return summary
-
-
-def _summary(r: Rank, p: Progress) -> dict:
-    cfg, setup, data, dev, world_size, last = r.run.cfg, r.setup, r.data, r.setup.device, r.run.world_size, p.last
-    steady = p.step_times[1:] or p.step_times  # the first step includes any compile
-    steady_tokens = p.step_tokens[1:] or p.step_tokens
-    tokens_per_s = (sum(steady_tokens) / sum(steady)) if steady else None
-    ranks = gather({
-        "rank": r.rank,
-        "device": str(dev),
-        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "hot_start": p.hot,
-        "first_step_seconds": p.first_step_seconds,
-        "time_to_first_step_s": (p.t_first_done - p.t_start) if p.t_first_done else None,
-        "peak_mem_mb": peak_mem_mb(dev),
-        "started_at": p.t_start,
-        "finished_at": time.time(),
-    })
-    return {
-        "steps": data.total_steps,
-        "epochs": data.total_steps / data.steps_per_epoch,
-        "steps_per_epoch": data.steps_per_epoch,
-        "global_batch": cfg.batch_size,
-        "rank_batch": setup.rank_batch,
-        "train_samples": len(data.train_idx),
-        "heldout_samples": len(data.heldout_idx),
-        "final_loss": last["loss"],
-        "final_acc": last["acc"],
-        "heldout_loss": last["heldout_loss"],
-        "heldout_acc": last["heldout_acc"],
-        # expected tau of greedy decoding on the held-out blocks (heldout.py), to set beside the measured one
-        "heldout_sim_tau": last.get("heldout_sim_tau"),
-        "heldout_accept_by_position": last.get("accept_by_position"),
-        "arch": r.dcfg.arch,
-        "loss": cfg.loss,
-        "position_weights": cfg.position_weights,
-        "tokens_per_s": tokens_per_s,  # context tokens of all ranks per second
-        "tokens_per_s_per_gpu": tokens_per_s / world_size if tokens_per_s else None,
-        "total_seconds": time.time() - p.t_start,
-        "world_size": world_size,
-        "attention": setup.attention,
-        "dtype": "bf16" if setup.autocast_dtype else "fp32",
-        "resumed_from_step": p.start_step or None,
-        "checkpoint_dir": str(r.run.ckpt_dir),
-        "ranks": ranks,
-    }
-
-
-def _fused_steps_on_device(opt) -> None:
-    """ZeRO's load moves AdamW's 0-dim ``step`` to the CPU; fused AdamW wants it on the parameter's device."""
-    if not hasattr(opt, "optim") or not opt.optim.defaults.get("fused"):  # plain AdamW (K = 1) loads it in place
-        return
-    for p, s in opt.optim.state.items():
-        if torch.is_tensor(s.get("step")):
-            s["step"] = s["step"].to(p.device)
+    laps = Laps()
+    t_start = laps.t
+    run = run.identified()
+    laps.lap("run identity")
+    cfg, world_size = run.cfg, run.world_size
+    check_available(cfg.tensorboard, cfg.wandb)  # a tracker asked for but not installed: one line first
+    dev = resolve_device(device)
+    laps.lap("device")
+    init_dist(run.init_method, rank, world_size, dev, cfg.dist_timeout_s)
+    laps.lap("process group")
+    try:
+        # -- build: models, data, the newest intact checkpoint of this run (rank 0 chooses, at any K), optimiser
+        target, dcfg, setup, drafter, pad_id = build(cfg, run.target_dir, dev, world_size, laps)
+        data = run_data(load_tokenized(run.tokenized_dir), cfg, pad_id, run.tokenized_dir)
+        laps.lap("data")
+        state = resume(run, rank, log)
+        r = Rank.ready(run, rank, (target, dcfg, setup, drafter), data, state, log)
+        laps.lap("checkpoint and optimizer")
+        start_step = int(state["step"]) if state is not None else 0
+        log(f"train rank {rank}/{world_size} on {setup.device}: {len(data.train_idx)} train / "
+            f"{len(data.heldout_idx)} held-out samples, {data.steps_per_epoch} steps/epoch, {data.total_steps} steps "
+            f"of {cfg.batch_size} sequences ({setup.rank_batch} on this rank), attention={setup.attention}, "
+            f"dtype={'bf16 autocast' if setup.autocast_dtype else 'fp32'}"
+            + (f", resumed from step {start_step}" if start_step else ""))
+        log(f"set up in {time.time() - t_start:.1f} s ({laps})")
+        cache_off = target_cache_off(cfg, world_size)
+        if cache_off and rank == 0:
+            log(cache_off)
+        # -- hot start: every compile up front, from the slot's warm cache
+        hot = None
+        if hot_start is not None:
+            checker = hot_start(compile_signature(setup, dcfg.to_dict(), data.buckets))
+            t_prime = time.time()
+            prime_buckets(r.model, target, data.ds, data.buckets, setup, pad_id, log)
+            hot = {"prime_seconds": time.time() - t_prime, "counters": checker.after_first_step(log)}
+        # -- the steps, then the outputs
+        last = dict(state["last"]) if state is not None else dict.fromkeys(FIGURES)
+        p = Progress(start_step, last, t_start, hot=hot)
+        history = train_loop(r, p)
+        return publish(r, p, history)
+    finally:
+        dist.destroy_process_group()
