@@ -239,6 +239,7 @@ def train_rank(run: TrainRun, rank: int, device: str, *, log=print, hot_start=No
     cfg, world_size = run.cfg, run.world_size
     check_available(cfg.tensorboard, cfg.wandb)  # a tracker asked for but not installed: one line first
     dev = resolve_device(device)
+    resolve_setup(cfg, str(dev), 0, [0], world_size)  # a bad attention/dtype/batch: one line, before any rank waits
     laps.lap("device")
     init_dist(run.init_method, rank, world_size, dev, cfg.dist_timeout_s)
     laps.lap("process group")
