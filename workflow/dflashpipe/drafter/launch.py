@@ -47,7 +47,7 @@ from dflashpipe.jobs.errors import UserError
 from dflashpipe.jobs.runtime import CONSOLE_ENV, console_fd
 
 if TYPE_CHECKING:
-    from .train import TrainRun
+    from .run import TrainRun
 
 #: the pid of the process that started a rank (its elastic agent): the rank dies with it
 LAUNCHER_ENV = "DFLASH_LAUNCHER_PID"
@@ -355,7 +355,7 @@ def node_main(spec_path: str) -> None:
     """One node's launcher (started by srun on every node of the allocation): this node's ranks."""
     from dflashpipe.jobs.runtime import job
 
-    from .train import TrainRun
+    from .run import TrainRun
 
     run = TrainRun.from_json(Path(spec_path).read_text())
     node = int(os.environ["SLURM_NODEID"])
@@ -378,7 +378,8 @@ def rank_main(spec_path: str) -> None:
     from dflashpipe.jobs.lease import allocation_device
     from dflashpipe.jobs.runtime import job
 
-    from .train import TrainRun, train_rank
+    from .run import TrainRun
+    from .train import train_rank
 
     run = TrainRun.from_json(Path(spec_path).read_text())
     if int(os.environ["WORLD_SIZE"]) != run.world_size:

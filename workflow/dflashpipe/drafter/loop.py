@@ -27,7 +27,7 @@ from .step import Setup, lr_at, train_step
 
 if TYPE_CHECKING:
     from .model import DrafterConfig
-    from .train import TrainRun
+    from .run import TrainRun
 
 #: the latest figures (saved with each checkpoint), and where the held-out ones come from (heldout_figures)
 FIGURES = ("loss", "acc", "heldout_loss", "heldout_acc", "heldout_sim_tau", "accept_by_position")
