@@ -68,7 +68,7 @@ def test_warm_fingerprint_and_run_identity_cover_the_drafter_model():
 
     got = names(train_step_code_files())
     assert {"drafter/model.py", "drafter/step.py", "drafter/loss.py", "drafter/features.py", "drafter/masks.py",
-            "drafter/data.py", "drafter/train.py"} <= got
+            "drafter/data.py", "drafter/train.py", "drafter/run.py"} <= got
     assert "jobs/tracking.py" not in got and not any(n.startswith("evaluate/") for n in got)
 
 

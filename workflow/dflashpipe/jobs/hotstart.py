@@ -32,8 +32,9 @@ from dflashpipe.jobs.errors import UserError
 #: the step, its data and exchange, the drafter it runs and the target's FP8 linears (the step receives
 #: the models; it does not import them)
 TRAIN_STEP_MODULES = ["drafter.step", "drafter.data", "drafter.distributed", "drafter.model", "drafter.fp8"]
-#: the rank that runs the step (its loop in a file of its own); files alone, not their imports
-TRAIN_LOOP_FILES = ("drafter/train.py", "drafter/loop.py")
+#: the rank that runs the step (its loop in a file of its own) and the run it reads its settings from;
+#: files alone, not their imports
+TRAIN_LOOP_FILES = ("drafter/train.py", "drafter/loop.py", "drafter/run.py")
 
 
 def _version(dist: str) -> str | None:
