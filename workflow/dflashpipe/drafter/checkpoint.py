@@ -101,7 +101,8 @@ def _steps(ckpt_dir: Path) -> list[Path]:
 
 
 def start_run(ckpt_dir: Path, identity: dict, log=print) -> None:
-    """Rank 0, before anyone loads: clear a killed writer's leftovers (checkpoints are never deleted here)."""
+    """Rank 0, once it has chosen the checkpoint this run resumes (so the directory is this run's): clear a
+    killed writer's leftovers (checkpoints are never deleted here) and write the identity beside them."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     for junk in ckpt_dir.glob(".tmp-*"):
         if junk.is_dir():
@@ -116,12 +117,12 @@ def start_run(ckpt_dir: Path, identity: dict, log=print) -> None:
 
 def resume(run, rank: int, log=print) -> dict | None:
     """The newest intact checkpoint of ``run`` (a :class:`~dflashpipe.drafter.train.TrainRun`), at any K:
-    rank 0 clears a killed writer's leftovers and chooses it, every other rank loads the same one; None: a
-    fresh start."""
+    rank 0 chooses it, then clears a killed writer's leftovers, and every other rank loads the same one;
+    None: a fresh start."""
     state = None
     if rank == 0:
-        start_run(run.ckpt_dir, run.identity, log)
         state = load_checkpoint(run.ckpt_dir, run.identity, log)
+        start_run(run.ckpt_dir, run.identity, log)
     chosen = broadcast_int(state["step"] if state is not None else 0)
     if rank != 0 and chosen:
         state = load_checkpoint(run.ckpt_dir, run.identity, log, step=chosen)
