@@ -101,7 +101,8 @@ def _steps(ckpt_dir: Path) -> list[Path]:
 
 
 def start_run(ckpt_dir: Path, identity: dict, log=print) -> None:
-    """Rank 0, before anyone loads: clear a killed writer's leftovers (checkpoints are never deleted here)."""
+    """Rank 0, once it has chosen the checkpoint this run resumes (so the directory is this run's): clear a
+    killed writer's leftovers (checkpoints are never deleted here) and write the identity beside them."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     for junk in ckpt_dir.glob(".tmp-*"):
         if junk.is_dir():
@@ -116,12 +117,12 @@ def start_run(ckpt_dir: Path, identity: dict, log=print) -> None:
 
 def resume(run, rank: int, log=print) -> dict | None:
     """The newest intact checkpoint of ``run`` (a :class:`~dflashpipe.drafter.train.TrainRun`), at any K:
-    rank 0 clears a killed writer's leftovers and chooses it, every other rank loads the same one; None: a
-    fresh start."""
+    rank 0 chooses it, then clears a killed writer's leftovers, and every other rank loads the same one;
+    None: a fresh start."""
     state = None
     if rank == 0:
-        start_run(run.ckpt_dir, run.identity, log)
         state = load_checkpoint(run.ckpt_dir, run.identity, log)
+        start_run(run.ckpt_dir, run.identity, log)
     chosen = broadcast_int(state["step"] if state is not None else 0)
     if rank != 0 and chosen:
         state = load_checkpoint(run.ckpt_dir, run.identity, log, step=chosen)
@@ -137,11 +138,12 @@ def publish(r, p, history: MetricsHistory) -> dict:
     if r.rank == 0:
         try:
             failpoint("train.export", rank=r.rank)
-            history.publish(run.metrics_csv)
-            if run.final_state:  # the final weights, for the export rule (drafter/export.py: export_final)
-                save_final_state(run.final_state, r.drafter, r.dcfg, r.data.total_steps, r.setup.autocast_dtype)
+            history.close()
+            meta = final_metadata(r.dcfg, r.data.total_steps, r.setup.autocast_dtype)
+            write_outputs(history.path, r.drafter.state_dict(), meta, summary, metrics_csv=run.metrics_csv,
+                          final_state=run.final_state, summary_json=run.summary_json)
+            if run.final_state:
                 r.log(f"final weights (step {r.data.total_steps}) in {run.final_state}")
-            write_json(run.summary_json, summary)
         except OSError as err:
             raise UserError(
                 f"train: cannot write the run's outputs ({err}); fix that and rerun: the run resumes at its final "
@@ -243,10 +245,8 @@ def republish(ckpt_dir: Path, identity: dict, metrics_csv: str, summary_json: st
         log(f"WARNING: {final}: cannot load ({problem or 'another run'}); the finished run resumes from the "
             "checkpoint before it")
         return None
-    write_final_state(final_state, state["model"], meta)
-    with atomic_path(metrics_csv) as tmp:
-        shutil.copyfile(ckpt_dir / "metrics.csv", tmp)
-    write_json(summary_json, summary)
+    write_outputs(ckpt_dir / "metrics.csv", state["model"], meta, summary, metrics_csv=metrics_csv,
+                  final_state=final_state, summary_json=summary_json)
     log(f"{ckpt_dir} holds this run, finished (step {summary['steps']}): its outputs are written again from there "
         "and no step is trained (delete that directory to train it again)")
     return summary
@@ -270,21 +270,29 @@ def save_checkpoint(ckpt_dir: Path, step: int, model_state: dict, optimizer_stat
     return path
 
 
-def save_final_state(path, drafter, drafter_config, step: int, export_dtype) -> None:
-    """The run's final weights for the export rule: the drafter's state dict (safetensors, atomic) with
-    metadata ``drafter_config`` (JSON of :class:`~dflashpipe.drafter.model.DrafterConfig`), ``step``
-    and ``export_dtype`` (the training autocast dtype the export casts to; empty: as stored)."""
-    meta = {"drafter_config": json.dumps(drafter_config.to_dict()), "step": str(step),
+def final_metadata(drafter_config, step: int, export_dtype) -> dict:
+    """The metadata of the run's final weights, for the export rule: ``drafter_config`` (JSON of
+    :class:`~dflashpipe.drafter.model.DrafterConfig`), ``step`` and ``export_dtype`` (the training autocast
+    dtype the export casts to; empty: as stored)."""
+    return {"drafter_config": json.dumps(drafter_config.to_dict()), "step": str(step),
             "export_dtype": str(export_dtype or "").removeprefix("torch.")}
-    write_final_state(path, drafter.state_dict(), meta)
 
 
-def write_final_state(path, model_state: dict, meta: dict) -> None:
+def write_outputs(history_csv: Path, model_state: dict, meta: dict, summary: dict, *, metrics_csv: str,
+                  final_state: str | None, summary_json: str) -> None:
+    """The run's outputs, each written atomically, by :func:`publish` after training and by :func:`republish`
+    for a finished run: ``metrics_csv`` (a copy of the metrics history ``history_csv``), ``final_state``
+    (the final weights ``model_state`` as safetensors with ``meta``, for the export rule,
+    drafter/export.py: export_final; skipped when None) and ``summary_json`` (``summary``)."""
     from safetensors.torch import save_file
 
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
-    with atomic_path(path) as tmp:
-        save_file(state, str(tmp), metadata=meta)
+    with atomic_path(metrics_csv) as tmp:
+        shutil.copyfile(history_csv, tmp)
+    if final_state:
+        state = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
+        with atomic_path(final_state) as tmp:
+            save_file(state, str(tmp), metadata=meta)
+    write_json(summary_json, summary)
 
 
 def _load(path: Path) -> tuple[dict | None, str | None]:
@@ -387,9 +395,3 @@ class MetricsHistory:
             self._file.close()
             self._file = None
         self.tracker.close()
-
-    def publish(self, out_path: str) -> None:
-        """Copy the whole history to the run's metrics output, atomically."""
-        self.close()
-        with atomic_path(out_path) as tmp:
-            shutil.copyfile(self.path, tmp)

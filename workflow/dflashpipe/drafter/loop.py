@@ -75,7 +75,10 @@ class Progress:
 
 
 def train_loop(r: Rank, p: Progress) -> MetricsHistory:
-    """The steps of this rank, from ``p.start_step + 1`` to the last; returns the metrics history (closed)."""
+    """The steps of this rank, from ``p.start_step + 1`` to the last; returns the metrics history (closed).
+
+    A run resumed at its very end (its outputs could not be written, or the held-out code changed since:
+    :func:`.checkpoint.republish`) runs no step: it evaluates the held-out split again, for the summary."""
     from tqdm import tqdm
 
     run, cfg, data, setup, dev = r.run, r.run.cfg, r.data, r.setup, r.setup.device
@@ -84,6 +87,9 @@ def train_loop(r: Rank, p: Progress) -> MetricsHistory:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     try:
+        if p.start_step >= data.total_steps:  # resumed at the very end: no step, the held-out figures again
+            held = heldout_figures(r.drafter, r.target, data, setup, r.rank)
+            p.last.update({k: held[v] for k, v in HELDOUT.items()})
         for step in range(p.start_step + 1, data.total_steps + 1):  # 1-based: "step N" = N optimiser steps done
             failpoint("train.step", step=step, rank=r.rank)
             t0 = time.time()
@@ -123,8 +129,4 @@ def train_loop(r: Rank, p: Progress) -> MetricsHistory:
     finally:
         bar.close()
         history.close()
-
-    if p.first_step_seconds is None:  # resumed at the very end (e.g. the export failed): recompute the held-out figures
-        held = heldout_figures(r.drafter, r.target, data, setup, r.rank)
-        p.last.update({k: held[v] for k, v in HELDOUT.items()})
     return history
