@@ -26,8 +26,12 @@ DATA=$WORK/data
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 mkdir -p "$WORK"
+# the workflow's attention (auto: compiled flex_attention on a GPU, 1.6x SDPA's step at these shapes:
+# benchmarks/results/smollm2_train_step_h200/); ATTENTION=sdpa for the uncompiled path of the earlier runs
 R=(python3 benchmarks/recipes.py --config "${CONFIG:-config/smollm2.yaml}" --target "$TARGET" --data "$DATA"
-   --set train.attention=sdpa)
+   ${ATTENTION:+--set train.attention=$ATTENTION})
+# runs that share the GPU compile each into a cache of its own (no two processes writing one cache)
+own_cache() { echo "TORCHINDUCTOR_CACHE_DIR=$1/inductor TRITON_CACHE_DIR=$1/triton"; }
 # the rules compared: the default first
 VARIANTS=("cut_loop generated")
 [ "${RULES:-default}" != all ] || VARIANTS+=("cut_loop text" "drop generated" "mask_end generated")
@@ -58,7 +62,8 @@ seeds)
     mkdir -p "$WORK/seeds"
     for r in $RECIPE_LIST; do
         for s in $SEEDS; do
-            setsid nohup "${R[@]}" --out "$WORK/seeds/${r}_s$s" --recipes "$r" --seeds "$s" --train-only \
+            env $(own_cache "$WORK/cache/${r}_s$s") setsid nohup "${R[@]}" --out "$WORK/seeds/${r}_s$s" \
+                --recipes "$r" --seeds "$s" --train-only \
                 --set train.max_steps="${STEPS:-2000}" --set train.eval_every=200 \
                 > "$WORK/seeds/${r}_s$s.log" 2>&1 < /dev/null &
         done
@@ -122,7 +127,8 @@ train)
     mkdir -p "$ARG" "$WORK/report_train"
     pids=()
     run() {  # NAME RECIPE SEED CUT IDS
-        timeout "${RUN_LIMIT_S:-540}" "${R[@]}" --out "$WORK/runs/$1" --recipes "$2" --seeds "$3" \
+        env $(own_cache "$WORK/cache/$1") timeout "${RUN_LIMIT_S:-540}" "${R[@]}" --out "$WORK/runs/$1" \
+            --recipes "$2" --seeds "$3" \
             --label "$2 [$4, $5]" --set tokenize.cut_replies=$4 --set tokenize.reply_ids=$5 \
             --set train.max_steps=$STEPS --set train.eval_every=100 --set evaluate.target_step=static \
             --set evaluate.num_prompts=${EVAL_PROMPTS:-24} --methods dflash > "$WORK/report_train/$1.log" 2>&1 &

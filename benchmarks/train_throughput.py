@@ -36,6 +36,8 @@ flex_attention: the dense-flex guard must stop the step with an error).
     python benchmarks/train_throughput.py --device cpu --tiny --ranks 1,2   # smoke run of the code path
     python benchmarks/train_throughput.py --set arch=dflash loss=ce         # another recipe's step
     python benchmarks/train_throughput.py --ddp                             # K=1 through DDP + ZeRO-1 (baseline)
+    python benchmarks/train_throughput.py --shapes smollm2-135m --batch 16 --seq-len 512 --anchors 128 \
+        --block-size 8 --profile $OUT/p.txt    # config/smollm2.yaml's step: a small target, many sequences
 
 Peer measured on one H200 with torch 2.11 at these shapes (see the GPU-scale
 issue): SpecForge's DFlash trainer, 10,178 context tokens/s, step 0.302 s
@@ -61,6 +63,9 @@ import torch  # noqa: E402
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1_000_000.0)
+# SmolLM2-135M-Instruct's shapes (config/smollm2.yaml's target; a Llama: no q/k norm)
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, head_dim=64, vocab_size=49152, rope_theta=100_000.0)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512, rope_theta=10_000.0)
 PHASES = ("target_forward", "drafter_forward", "backward", "optimizer")
@@ -97,16 +102,17 @@ def model_flops(tcfg, dcfg, S: int, queries: int, deepest: int, keys_per_query: 
 
 
 def build_target(shapes: dict, S: int, bs: int, device: str):
-    """A randomly initialised Qwen3 of the given shapes, frozen, bf16 on CUDA (fp32 on CPU)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """A randomly initialised Qwen3 of the given shapes (a Llama for SmolLM2's), frozen, bf16 on CUDA (fp32 on CPU)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    tcfg = Qwen3Config(**shapes, max_position_embeddings=max(4096, S + bs), tie_word_embeddings=False)
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if shapes is SMOLLM2 else (Qwen3Config, Qwen3ForCausalLM)
+    tcfg = config_cls(**shapes, max_position_embeddings=max(4096, S + bs), tie_word_embeddings=shapes is SMOLLM2)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     torch.manual_seed(0)
     with torch.device(device):
         torch.set_default_dtype(dtype)
         try:
-            target = Qwen3ForCausalLM(tcfg).eval().requires_grad_(False)
+            target = model_cls(tcfg).eval().requires_grad_(False)
         finally:
             torch.set_default_dtype(torch.float32)
     return target, tcfg
@@ -126,8 +132,9 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
     from dflashpipe.drafter.train import TrainConfig, resolve_device
 
     cuda = a.device.startswith("cuda")
-    shapes = TINY if a.tiny else QWEN3_8B
+    shapes = TINY if a.tiny else {"qwen3-8b": QWEN3_8B, "smollm2-135m": SMOLLM2}[a.shapes]
     S = 256 if a.tiny else a.seq_len
+    B = a.batch  # sequences per GPU per step
     N = 16 if a.tiny else a.anchors
     bs = a.block_size
     dev = resolve_device(a.device)
@@ -135,11 +142,11 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
 
     target, tcfg = build_target(shapes, S, bs, str(dev))
     mask_id = tcfg.vocab_size - 1
-    cfg = TrainConfig(num_layers=a.layers, block_size=bs, num_anchors=N, batch_size=world, compile=a.compile,
+    cfg = TrainConfig(num_layers=a.layers, block_size=bs, num_anchors=N, batch_size=world * B, compile=a.compile,
                       **overrides(a.set))
     # the architecture keys (arch, layer_types, dflash2's) from the same settings, as training builds it
     dcfg = DrafterConfig.from_target_config(tcfg, a.layers, bs, mask_id, **{k: getattr(cfg, k) for k in ARCH_KEYS})
-    setup = resolve_setup(cfg, str(dev), mask_id, dcfg.target_layer_ids, world)  # one sequence per GPU
+    setup = resolve_setup(cfg, str(dev), mask_id, dcfg.target_layer_ids, world)  # B sequences per GPU
     prepared = prepare_target(target, cfg, setup, dcfg.target_layer_ids)  # trimmed (and in FP8) as training runs it
     mem = {}
     if cuda:
@@ -161,11 +168,12 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
         opt = torch.optim.AdamW(model.parameters(), lr=6e-4, **({"fused": True} if cuda else {"foreach": True}))
 
     g = torch.Generator().manual_seed(rank)
-    rows = {"input_ids": [torch.randint(0, tcfg.vocab_size - 2, (S,), generator=g).tolist()],
-            "loss_mask": [[0] * (S // 8) + [1] * (S - S // 8)]}
+    rows = {"input_ids": [torch.randint(0, tcfg.vocab_size - 2, (S,), generator=g).tolist() for _ in range(B)],
+            "loss_mask": [[0] * (S // 8) + [1] * (S - S // 8)] * B}
 
     def batch(step: int):  # anchors re-sampled per step, as in training
-        return make_batch(rows, S, [step * world + rank], 0, cfg, dev)  # cfg: N anchors, blocks of bs
+        seeds = [(step * world + rank) * B + i for i in range(B)]
+        return make_batch(rows, S, seeds, 0, cfg, dev)  # cfg: N anchors, blocks of bs
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
@@ -187,7 +195,7 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
 
     result = {"ranks": world, "optimizer": a.optimizer, "ddp_at_one_rank": bool(a.ddp and world == 1),
               "activation_memory_budget": cfg.activation_memory_budget,
-              "recipe": {"arch": cfg.arch, "loss": cfg.loss, **overrides(a.set)}, "shapes": shapes, "seq_len": S, "anchors": N, "block_size": bs,
+              "recipe": {"arch": cfg.arch, "loss": cfg.loss, **overrides(a.set)}, "shapes": shapes, "seq_len": S, "batch_per_gpu": B, "anchors": N, "block_size": bs,
               "drafter_layers": a.layers, "target_layers_run": max(dcfg.target_layer_ids) + 1,
               "target_layers_dropped": prepared["layers_dropped"], "target_fp8": prepared.get("fp8"), "torch": torch.__version__,
               "device": torch.cuda.get_device_name(0) if cuda else "cpu",
@@ -229,14 +237,14 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
         return None
     kept = [b.anchors[b.keep].float() for b in batches]
     keys_per_query = float(torch.cat(kept).mean()) + bs  # context before the anchor + the block
-    flops = model_flops(tcfg, dcfg, S, N * bs, max(dcfg.target_layer_ids), keys_per_query)
+    flops = {k: B * v for k, v in model_flops(tcfg, dcfg, S, N * bs, max(dcfg.target_layer_ids), keys_per_query).items()}
     from torch._dynamo.utils import counters
 
     result["compiled_graphs"] = counters["stats"].get("unique_graphs", 0)
     result.update(
         step_s=step_s,
-        context_tokens_per_s_per_gpu=S / step_s,
-        context_tokens_per_s=world * S / step_s,
+        context_tokens_per_s_per_gpu=B * S / step_s,
+        context_tokens_per_s=world * B * S / step_s,
         split_ms=split,
         split_sum_ms=sum(split.values()),
         backward_without_exchange_ms=split_local["backward"],
@@ -291,7 +299,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
+    p.add_argument("--shapes", default="qwen3-8b", choices=["qwen3-8b", "smollm2-135m"], help="the target's shapes")
     p.add_argument("--seq-len", type=int, default=3072)
+    p.add_argument("--batch", type=int, default=1, help="sequences per GPU per step")
     p.add_argument("--anchors", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=5, help="drafter layers")
@@ -395,12 +405,21 @@ def write_profile(path: str, run, cuda: bool) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
     with profile(activities=acts) as prof:
-        run()
+        steps = len(run())
         if cuda:
             torch.cuda.synchronize()
+    wall_ms = 1000 * (time.perf_counter() - t0) / steps
+    avgs = prof.key_averages()
+    ops = sum(e.count for e in avgs if e.key.startswith("aten::")) / steps  # nested calls included
+    head = f"per step (profiled, {steps} steps): wall {wall_ms:.1f} ms; aten calls {ops:.0f} (nested included)"
+    if cuda:  # how much of the step the GPU spends in kernels, and how many it launches
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in kernels)
+        head += f"; GPU kernels {len(kernels) / steps:.0f}, busy {busy / 1000 / steps:.1f} ms"
     key = "cuda_time_total" if cuda else "cpu_time_total"
-    tables = [prof.key_averages().table(sort_by=key, row_limit=45, max_name_column_width=90)]
+    tables = [head, prof.key_averages().table(sort_by=key, row_limit=45, max_name_column_width=90)]
     if cuda:  # the same ops by their own GPU time: the kernels that fill the step
         tables.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45,
                                                 max_name_column_width=90))
