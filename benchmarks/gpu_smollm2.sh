@@ -9,6 +9,7 @@
 #   bash benchmarks/gpu_smollm2.sh seeds                # RECIPES x SEEDS (default: dflash2 x 0 1 2), one run
 #                                                       # each, in the background (setsid): they outlive the call
 #   bash benchmarks/gpu_smollm2.sh wait   OUT           # until the seeds' runs end (or WAIT_S); report
+#   bash benchmarks/gpu_smollm2.sh taus   OUT           # every drafter's tau, all evaluated at once
 #   bash benchmarks/gpu_smollm2.sh speed  OUT           # each seed's drafter alone on the GPU: compiled
 #                                                       # AR beside it, the AR floor, the DFlash step split
 #   bash benchmarks/gpu_smollm2.sh train  OUT           # recipes and data rules side by side (tau)
@@ -145,14 +146,36 @@ train)
         | tee "$WORK/report_train/data_curve.txt" || true
     report "$WORK/report_train" "$ARG"
     ;;
+taus)
+    # every drafter of `seeds` evaluated at once, DFlash alone (tau does not depend on the GPU's load;
+    # `speed` measures speed, alone): TAU_SETS x EVAL_PROMPTS, static target step (no compile)
+    mkdir -p "$ARG" "$WORK/report_taus"
+    pids=() runs=()
+    for r in $RECIPE_LIST; do
+        for s in $SEEDS; do
+            name=${r}_s$s
+            [ -d "$WORK/seeds/$name/runs/$name/drafter" ] || { echo "$name: no drafter"; continue; }
+            "${R[@]}" --out "$WORK/seeds/$name" --recipes "$r" --seeds "$s" \
+                --eval-sets "${TAU_SETS:-math_heldout,code_heldout}" --set train.max_steps="${STEPS:-2000}" \
+                --set train.eval_every=200 --set evaluate.target_step=static \
+                --set evaluate.num_prompts="${EVAL_PROMPTS:-32}" --methods dflash > "$WORK/report_taus/$name.log" 2>&1 &
+            pids+=($!) runs+=("$WORK/seeds/$name")
+        done
+    done
+    for p in "${pids[@]}"; do wait "$p" || echo "an evaluation failed: $p"; done
+    [ ${#runs[@]} -eq 0 ] || python3 benchmarks/recipes.py --out "$WORK/report_taus" --combine "${runs[@]}"
+    [ ! -f "$WORK/report_taus/summary.md" ] || sed -i '1i **Tau only**: every evaluation shared the GPU, so its speed-ups are not speed figures (`speed` runs alone).\n' \
+        "$WORK/report_taus/summary.md"
+    report "$WORK/report_taus" "$ARG"
+    ;;
 speed)
-    # each drafter of `seeds` alone on the GPU, the target's steps compiled and captured, same-harness AR
+    # each drafter of `seeds` (SPEED_SEEDS: of those seeds only) alone on the GPU, the target's steps compiled and captured, same-harness AR
     # beside it: the first run on every eval set, the others on SPEED_SETS (held-out math and code); then
     # the AR floor and the DFlash step's pieces (benchmarks/ar_floor.py) with the first run's drafter
     mkdir -p "$ARG" "$WORK/report_speed"
     done_runs=() first=""
     for r in $RECIPE_LIST; do
-        for s in $SEEDS; do
+        for s in ${SPEED_SEEDS:-$SEEDS}; do
             name=${r}_s$s
             [ -d "$WORK/seeds/$name/runs/$name/drafter" ] || { echo "$name: no drafter"; continue; }
             sets="--eval-sets ${SPEED_SETS:-math_heldout,code_heldout}"
