@@ -31,8 +31,11 @@ mkdir -p "$WORK"
 # benchmarks/results/smollm2_train_step_h200/); ATTENTION=sdpa for the uncompiled path of the earlier runs
 R=(python3 benchmarks/recipes.py --config "${CONFIG:-config/smollm2.yaml}" --target "$TARGET" --data "$DATA"
    ${ATTENTION:+--set train.attention=$ATTENTION})
-# runs that share the GPU compile each into a cache of its own (no two processes writing one cache)
-own_cache() { echo "TORCHINDUCTOR_CACHE_DIR=$1/inductor TRITON_CACHE_DIR=$1/triton"; }
+# runs that share the GPU compile each into a cache of its own (no two processes writing one cache),
+# with COMPILE_THREADS inductor workers each (default 2: nine runs' workers on the box's 16 cores)
+own_cache() {
+    echo "TORCHINDUCTOR_CACHE_DIR=$1/inductor TRITON_CACHE_DIR=$1/triton TORCHINDUCTOR_COMPILE_THREADS=${COMPILE_THREADS:-2}"
+}
 # the rules compared: the default first
 VARIANTS=("cut_loop generated")
 [ "${RULES:-default}" != all ] || VARIANTS+=("cut_loop text" "drop generated" "mask_end generated")
