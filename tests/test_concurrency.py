@@ -46,6 +46,23 @@ def case(model64):
     return prompts, eos, ref
 
 
+def test_ar_reads_tokens_back_in_chunks_with_the_same_output(model64):
+    """AR reads its tokens back every READ_EVERY forwards: an end token anywhere in a chunk (first, last,
+    across a boundary) and a token budget that is no multiple of it still end the output where one
+    token at a time would: at the first end token (kept) or at max_new_tokens."""
+    prompt = list(range(5, 16))
+    free = ARDecoder(model64, []).generate(prompt, 21).tokens
+    assert len(free) == 21 and ARDecoder.READ_EVERY == 8
+    for i in (0, 6, 7, 8, 9, 15, 16, 20):
+        got = ARDecoder(model64, [free[i]]).generate(prompt, 21)
+        first = free.index(free[i])
+        assert got.tokens == free[: first + 1] and got.stop_reason == "eos"
+        assert got.target_forwards == first and got.committed == [1] * first
+    for budget in (1, 7, 8, 9, 13):
+        got = ARDecoder(model64, []).generate(prompt, budget)
+        assert got.tokens == free[:budget] and got.stop_reason == "length"
+
+
 def make_drafter(model, seed=0, **arch):
     cfg = DrafterConfig.from_target_config(model.config, num_hidden_layers=2, block_size=BS, mask_token_id=3, **arch)
     torch.manual_seed(seed)
