@@ -172,8 +172,8 @@ taus)
     report "$WORK/report_taus" "$ARG"
     ;;
 speed)
-    # each drafter of `seeds` (SPEED_SEEDS: of those seeds only) alone on the GPU, the target's steps compiled and captured, same-harness AR
-    # beside it: the first run on every eval set, the others on SPEED_SETS (held-out math and code); then
+    # each drafter of `seeds` (SPEED_SEEDS: of those seeds only) alone on the GPU, the target's steps
+    # compiled and captured, same-harness AR beside it: the first run on every eval set, the others on SPEED_SETS (held-out math and code); then
     # the AR floor and the DFlash step's pieces (benchmarks/ar_floor.py) with the first run's drafter
     mkdir -p "$ARG" "$WORK/report_speed"
     done_runs=() first=""

@@ -5,7 +5,7 @@ Builds a Qwen3-8B-shaped target (36 layers, hidden 4096, GQA 32/8, head dim
 the paper's 5-layer DFlash drafter, then runs the PIPELINE'S OWN training step
 (:func:`dflashpipe.drafter.step.train_step`: DDP, ZeRO-1 AdamW) on S=3072
 context tokens per GPU with 512 anchors and block size 16, one sequence per GPU
-per step. Numerics as in the pipeline: frozen bf16 target, fp32 master weights
+per step (``--shapes``/``--batch``: SmolLM2-135M's shapes, B sequences). Numerics as in the pipeline: frozen bf16 target, fp32 master weights
 and AdamW state, bf16 autocast.
 
 ``--ranks 1,2`` runs K=1, then K=2 (one process per GPU, NCCL, the pipeline's
@@ -39,10 +39,8 @@ flex_attention: the dense-flex guard must stop the step with an error).
     python benchmarks/train_throughput.py --shapes smollm2-135m --batch 16 --seq-len 512 --anchors 128 \
         --block-size 8 --profile $OUT/p.txt    # config/smollm2.yaml's step: a small target, many sequences
 
-Peer measured on one H200 with torch 2.11 at these shapes (see the GPU-scale
-issue): SpecForge's DFlash trainer, 10,178 context tokens/s, step 0.302 s
-(target forward 104 ms, drafter forward 64 ms, backward 104 ms, optimiser 30 ms),
-peak memory 46.9 GiB.
+The peer at the same shapes, SpecForge's DFlash trainer: ``benchmarks/specforge_step.py``; the
+figures of both: docs/training-throughput.md.
 """
 
 from __future__ import annotations
@@ -63,8 +61,8 @@ import torch  # noqa: E402
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1_000_000.0)
-# SmolLM2-135M-Instruct's shapes (config/smollm2.yaml's target; a Llama: no q/k norm)
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+# SmolLM2-135M-Instruct's shapes (config/smollm2.yaml's target; a Llama: no q/k norm, tied embeddings)
+SMOLLM2 = dict(llama=True, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, head_dim=64, vocab_size=49152, rope_theta=100_000.0)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512, rope_theta=10_000.0)
@@ -102,11 +100,14 @@ def model_flops(tcfg, dcfg, S: int, queries: int, deepest: int, keys_per_query: 
 
 
 def build_target(shapes: dict, S: int, bs: int, device: str):
-    """A randomly initialised Qwen3 of the given shapes (a Llama for SmolLM2's), frozen, bf16 on CUDA (fp32 on CPU)."""
+    """A randomly initialised Qwen3 of the given shapes (a Llama with tied embeddings where they say
+    ``llama=True``), frozen, bf16 on CUDA (fp32 on CPU)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if shapes is SMOLLM2 else (Qwen3Config, Qwen3ForCausalLM)
-    tcfg = config_cls(**shapes, max_position_embeddings=max(4096, S + bs), tie_word_embeddings=shapes is SMOLLM2)
+    shapes = dict(shapes)
+    llama = shapes.pop("llama", False)
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if llama else (Qwen3Config, Qwen3ForCausalLM)
+    tcfg = config_cls(**shapes, max_position_embeddings=max(4096, S + bs), tie_word_embeddings=llama)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     torch.manual_seed(0)
     with torch.device(device):
