@@ -234,17 +234,14 @@ class ARDecoder:
         n = len(prompt_ids) + 1
         nxt = torch.tensor([[out[-1]]], device=dev)
         while reason is None:
-            steps = []  # this chunk's tokens, on the device (greedy) or read at once (sampling)
+            steps = []  # this chunk's tokens, on the device (sampling draws each on the host, as before)
             for _ in range(min(self.READ_EVERY, max_new_tokens - len(out))):
                 logits, _ = tgt.forward(cache, nxt, n - 1)
                 n += 1
-                if temperature > 0:
-                    steps.append(_first_token(logits[-1], temperature, gen))
-                    nxt = torch.tensor([[steps[-1]]], device=dev)
-                else:
-                    nxt = logits[-1].argmax().view(1, 1)
-                    steps.append(nxt)
-            tokens = steps if temperature > 0 else torch.cat(steps).view(-1).tolist()  # one read-back a chunk
+                nxt = (torch.tensor([[_first_token(logits[-1], temperature, gen)]], device=dev) if temperature > 0
+                       else logits[-1].argmax().view(1, 1))
+                steps.append(nxt)
+            tokens = torch.cat(steps).view(-1).tolist()  # one read-back a chunk
             for token in tokens:  # the stop rule, token by token, as each came
                 res.target_forwards += 1
                 kept, reason = cut_step([token], len(out), max_new_tokens, self.eos_ids)
