@@ -7,11 +7,13 @@
 #   bash benchmarks/gpu_smollm2.sh data   LAST_PART [OUT]  # join, build the target, expand, tokenize;
 #                                                       # SEEDS_AFTER=1: then start the `seeds` runs
 #   bash benchmarks/gpu_smollm2.sh seeds                # RECIPES x SEEDS (default: dflash2 x 0 1 2), one run
-#                                                       # each, in the background (setsid): they outlive the call
+#                                                       # each, in the background (setsid): they outlive the call;
+#                                                       # TAU_SETS=a,b: each then evaluates its tau there (as taus)
 #   bash benchmarks/gpu_smollm2.sh wait   OUT           # until the seeds' runs end (or WAIT_S); report
 #   bash benchmarks/gpu_smollm2.sh taus   OUT           # every drafter's tau, all evaluated at once
 #   bash benchmarks/gpu_smollm2.sh speed  OUT           # each seed's drafter alone on the GPU: compiled
 #                                                       # AR beside it, the AR floor, the DFlash step split
+#                                                       # (FIRST_ALL=0: no run on every eval set; FLOOR=0: no floor)
 #   bash benchmarks/gpu_smollm2.sh train  OUT           # recipes and data rules side by side (tau)
 #
 # On a machine with the registry, `data` can start from the installed package instead:
@@ -62,22 +64,27 @@ stash)
 seeds)
     # RECIPES (default: the config's dflash2) x SEEDS, STEPS steps each, one process per run, all on the
     # GPU at once (held-out simulated tau every 200 steps: the data-and-steps curve); `speed` evaluates
-    # each drafter alone
+    # each drafter alone. TAU_SETS: each run then evaluates its tau on those sets, as `taus` does
+    # (DFlash alone, static target step; tau does not depend on the GPU's load)
     mkdir -p "$WORK/seeds"
+    after=(--train-only)
+    [ -z "${TAU_SETS:-}" ] || after=(--eval-sets "$TAU_SETS" --set evaluate.target_step=static
+                                     --set evaluate.num_prompts="${EVAL_PROMPTS:-32}" --methods dflash)
     for r in $RECIPE_LIST; do
         for s in $SEEDS; do
             env $(own_cache "$WORK/cache/${r}_s$s") setsid nohup "${R[@]}" --out "$WORK/seeds/${r}_s$s" \
-                --recipes "$r" --seeds "$s" --train-only \
+                --recipes "$r" --seeds "$s" "${after[@]}" \
                 --set train.max_steps="${STEPS:-2000}" --set train.eval_every=200 \
                 > "$WORK/seeds/${r}_s$s.log" 2>&1 < /dev/null &
         done
     done
-    sleep 5; pgrep -af "recipes.py.*--train-only" | cut -c1-120 || echo "no run started"
+    sleep 5; pgrep -af "recipes.py.*$WORK/seeds/" | cut -c1-120 || echo "no run started"
     ;;
 wait)
     # until every run of `seeds` has ended, at most WAIT_S seconds; then their curves and logs to OUT
+    # (and the taus of runs that evaluated them: summary.md)
     end=$((SECONDS + ${WAIT_S:-540}))
-    while pgrep -f "recipes.py.*--train-only" > /dev/null && [ $SECONDS -lt $end ]; do sleep 15; done
+    while pgrep -f "recipes.py.*$WORK/seeds/" > /dev/null && [ $SECONDS -lt $end ]; do sleep 15; done
     mkdir -p "$ARG" "$WORK/report_seeds"
     for f in "$WORK"/seeds/*.log; do
         name=$(basename "$f" .log)
@@ -86,9 +93,15 @@ wait)
         cp "$f" "$WORK/report_seeds/"
         cp "$WORK/seeds/$name"/runs/*/metrics.csv "$WORK/report_seeds/${name}_metrics.csv" 2>/dev/null || true
     done
-    if ! pgrep -f "recipes.py.*--train-only" > /dev/null; then
+    if ! pgrep -f "recipes.py.*$WORK/seeds/" > /dev/null; then
         python3 benchmarks/plot_data_curve.py "$WORK/seeds" "$WORK/report_seeds/data_curve.png" \
             | tee "$WORK/report_seeds/data_curve.txt" || true
+        evaluated=$(for d in "$WORK"/seeds/*/; do if [ -f "$d/runs.csv" ]; then echo "$d"; fi; done)
+        if [ -n "$evaluated" ]; then
+            python3 benchmarks/recipes.py --out "$WORK/report_seeds" --combine $evaluated
+            sed -i '1i **Tau only**: every evaluation shared the GPU, so its speed-ups are not speed figures (`speed` runs alone).\n' \
+                "$WORK/report_seeds/summary.md"
+        fi
     fi
     report "$WORK/report_seeds" "$ARG"
     ;;
@@ -182,7 +195,7 @@ speed)
             name=${r}_s$s
             [ -d "$WORK/seeds/$name/runs/$name/drafter" ] || { echo "$name: no drafter"; continue; }
             sets="--eval-sets ${SPEED_SETS:-math_heldout,code_heldout}"
-            [ -n "$first" ] || { first=$name; sets=""; }
+            [ -n "$first" ] || { first=$name; [ "${FIRST_ALL:-1}" = 0 ] || sets=""; }
             "${R[@]}" --out "$WORK/seeds/$name" --recipes "$r" --seeds "$s" $sets --set train.max_steps="${STEPS:-2000}" \
                 --set train.eval_every=200 --set evaluate.target_step=compiled \
                 --set evaluate.num_prompts="${EVAL_PROMPTS:-32}" --methods dflash,ar > "$WORK/report_speed/$name.log" 2>&1 \
@@ -192,7 +205,7 @@ speed)
         done
     done
     [ ${#done_runs[@]} -eq 0 ] || python3 benchmarks/recipes.py --out "$WORK/report_speed" --combine "${done_runs[@]}"
-    [ -z "$first" ] || timeout "${FLOOR_LIMIT_S:-150}" python3 benchmarks/ar_floor.py --target "$TARGET" \
+    [ -z "$first" ] || [ "${FLOOR:-1}" = 0 ] || timeout "${FLOOR_LIMIT_S:-150}" python3 benchmarks/ar_floor.py --target "$TARGET" \
         --drafter "$WORK/seeds/$first/runs/$first/drafter" --out "$WORK/report_speed/ar_floor.json" || echo "ar_floor failed"
     report "$WORK/report_speed" "$ARG"
     ;;
