@@ -16,6 +16,7 @@ from torch import nn
 
 from dflashpipe.drafter.features import context_features
 from dflashpipe.drafter.fp8 import FP8, Fp8Linear, check_fp8_device, quantize_decoder_linears
+from dflashpipe.drafter.step import resolve_setup
 from dflashpipe.drafter.train import TrainConfig, build, train_rank
 from dflashpipe.inputs.target import load_target
 from dflashpipe.jobs.errors import UserError
@@ -84,7 +85,7 @@ def test_each_original_linear_is_freed_as_soon_as_its_fp8_replacement_is_in():
 
 def test_training_with_an_fp8_target_quantizes_it_and_learns(micro_target, micro_tokenized, tmp_path):
     cfg = TrainConfig(**{**BASE, "loss": "kl"}, epochs=2.0, checkpoint_every=100, target_fp8=True)
-    target, *_ = build(cfg, str(micro_target), torch.device("cpu"), 1)
+    target, *_ = build(cfg, str(micro_target), resolve_setup(cfg, "cpu", 0, [0]))
     assert any(isinstance(m, Fp8Linear) for m in target.modules())
     assert not any(type(m) is nn.Linear for m in target.model.layers.modules())
     a = rank_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 1, "rdzv", "fp8")

@@ -38,7 +38,7 @@ from .fp8 import check_fp8_device
 from .loop import FIGURES, Progress, Rank, train_loop
 from .model import ARCH_KEYS, DFlashDrafter, DrafterConfig, apply_compile_mode
 from .run import TrainConfig, TrainRun  # noqa: F401 (imported from here by the jobs and tests)
-from .step import compile_signature, prime_buckets, resolve_setup, target_cache_off
+from .step import Setup, compile_signature, prime_buckets, resolve_setup, target_cache_off
 
 
 def resolve_device(device: str) -> torch.device:
@@ -50,13 +50,15 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def build(cfg: TrainConfig, target_dir: str, dev: torch.device, world_size: int, laps: Laps | None = None):
+def build(cfg: TrainConfig, target_dir: str, setup: Setup, laps: Laps | None = None):
     """Target (frozen, trimmed to the tapped layers), drafter (fp32 master weights), step setup, pad id.
-    ``laps``: times the target's load and the drafter's build, for the job's log."""
+    ``setup``: :func:`.step.resolve_setup`'s, resolved by the caller before the slow load; the one returned
+    bears the drafter's mask token and target layers. ``laps``: times the target's load and the drafter's
+    build, for the job's log."""
     from dflashpipe.inputs.target import load_target, resolve_mask_token
 
     laps = laps or Laps()
-    setup = resolve_setup(cfg, str(dev), 0, [0], world_size)  # validates attention/dtype/batch before the slow load
+    dev = setup.device
     mask_id, _ = resolve_mask_token(target_dir, cfg.mask_token_id)  # the rule the start-up check applied
     if cfg.target_fp8:
         check_fp8_device(dev)
@@ -89,8 +91,9 @@ def warm_compile(cfg: TrainConfig, tokenized_dir: str, target_dir: str, device: 
 
     laps = Laps()
     dev = resolve_device(device)
+    setup = resolve_setup(cfg, str(dev), 0, [0], world_size)  # a bad attention/dtype/batch: before the load
     laps.lap("device")
-    target, dcfg, setup, drafter, pad_id = build(cfg, target_dir, dev, world_size, laps)
+    target, dcfg, setup, drafter, pad_id = build(cfg, target_dir, setup, laps)
     ds = load_tokenized(tokenized_dir)
     buckets = np.asarray(ds["bucket"], dtype=np.int64)
     laps.lap("data")
@@ -125,13 +128,14 @@ def train_rank(run: TrainRun, rank: int, device: str, *, log=print, hot_start=No
     cfg, world_size = run.cfg, run.world_size
     check_available(cfg.tensorboard, cfg.wandb)  # a tracker asked for but not installed: one line first
     dev = resolve_device(device)
-    resolve_setup(cfg, str(dev), 0, [0], world_size)  # a bad attention/dtype/batch: one line, before any rank waits
+    # the step's settings, resolved once here: a bad attention/dtype/batch is one line, before any rank waits
+    setup = resolve_setup(cfg, str(dev), 0, [0], world_size)
     laps.lap("device")
     init_dist(run.init_method, rank, world_size, dev, cfg.dist_timeout_s)
     laps.lap("process group")
     try:
         # -- build: models, data, the newest intact checkpoint of this run (rank 0 chooses, at any K), optimiser
-        target, dcfg, setup, drafter, pad_id = build(cfg, run.target_dir, dev, world_size, laps)
+        target, dcfg, setup, drafter, pad_id = build(cfg, run.target_dir, setup, laps)
         data = run_data(load_tokenized(run.tokenized_dir), cfg, pad_id, run.tokenized_dir)
         laps.lap("data")
         state = resume(run, rank, log)
