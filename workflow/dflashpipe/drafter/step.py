@@ -255,6 +255,15 @@ def train_step(model, target, opt, batch, lr: float, setup: Setup, mark=_no_mark
     return {"loss": loss, "acc": acc, "grad_norm": gn, "weight": stats[3].item(), "tokens": int(stats[4].item())}
 
 
+def allow_bucket_graphs(buckets: np.ndarray) -> None:
+    """Room in Dynamo's per-function graph limit for every length bucket of a run: per bucket up to 3
+    graphs per compiled function (the first drafter layer, the others, the no-grad held-out forward).
+    Past the limit a function falls back to eager, and eager flex_attention would build the whole score
+    matrix (the hot-start guard refuses it). Every run sets it, primed or not."""
+    n_buckets = len(set(np.asarray(buckets).tolist()))
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * n_buckets + 8)
+
+
 def prime_buckets(model, target, ds, buckets: np.ndarray, setup: Setup, pad_id: int, log=print) -> dict:
     """Run every graph a shard will run, once per length bucket, without changing any weight.
 
@@ -267,10 +276,7 @@ def prime_buckets(model, target, ds, buckets: np.ndarray, setup: Setup, pad_id: 
     front, from the warm cache, and can be checked. Returns seconds per bucket.
     """
     seconds = {}
-    # per bucket up to 3 graphs per compiled function (first drafter layer, the others, no-grad
-    # eval): lift Dynamo's per-function limit so no bucket ever falls back to eager
-    n_buckets = len(set(buckets.tolist()))
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * n_buckets + 8)
+    allow_bucket_graphs(buckets)
     no_sync = model.no_sync if hasattr(model, "no_sync") else contextlib.nullcontext
     drafter = getattr(model, "module", model)
     for b in sorted(set(buckets.tolist())):

@@ -38,7 +38,7 @@ from .fp8 import check_fp8_device
 from .loop import FIGURES, Progress, Rank, train_loop
 from .model import ARCH_KEYS, DFlashDrafter, DrafterConfig, apply_compile_mode
 from .run import TrainConfig, TrainRun  # noqa: F401 (imported from here by the jobs and tests)
-from .step import Setup, compile_signature, prime_buckets, resolve_setup, target_cache_off
+from .step import Setup, allow_bucket_graphs, compile_signature, prime_buckets, resolve_setup, target_cache_off
 
 
 def resolve_device(device: str) -> torch.device:
@@ -137,6 +137,7 @@ def train_rank(run: TrainRun, rank: int, device: str, *, log=print, hot_start=No
         # -- build: models, data, the newest intact checkpoint of this run (rank 0 chooses, at any K), optimiser
         target, dcfg, setup, drafter, pad_id = build(cfg, run.target_dir, setup, laps)
         data = run_data(load_tokenized(run.tokenized_dir), cfg, pad_id, run.tokenized_dir)
+        allow_bucket_graphs(data.buckets)  # hot start or not: no bucket's step falls back to eager
         laps.lap("data")
         state = resume(run, rank, log)
         r = Rank.ready(run, rank, (target, dcfg, setup, drafter), data, state, log)
