@@ -405,32 +405,6 @@ def test_static_target_step_decodes_what_the_dynamic_one_does(which, request):
 
 
 @pytest.mark.parametrize("which", ["sharp", "sharp_dspark"])
-def test_the_loop_ahead_of_the_host_fits_the_cache_the_host_loop_needs(which, request):
-    """Greedy on static caches the next step is queued before the host reads the verdict of the last
-    (DFlashDecoder._steps_ahead). With caches just large enough for the host-paced loop it waits for the
-    verdict instead of queueing past the end, and decodes the same tokens; one position fewer is an error."""
-    from dflashpipe.decode.speculative import drafter_runner
-    from dflashpipe.decode.static_target import StaticTargetRunner
-
-    target, tok, drafter, cfg = request.getfixturevalue(which)
-    eos, new = eos_ids_of(tok, target), 24
-    span = max(cfg.block_size, cfg.num_drafts + 1)  # positions a step writes from its anchor
-
-    def static_decoder(capacity):
-        static = StaticTargetRunner(target, cfg.target_layer_ids, capacity=capacity, graph_sizes=(cfg.num_drafts + 1,))
-        return DFlashDecoder(target, drafter, cfg, eos, runner=static, draft_runner=drafter_runner(drafter, static, "static", capacity))
-
-    for p in PROMPTS.values():
-        prompt = encode(tok, p)
-        ref = DFlashDecoder(target, drafter, cfg, eos).generate(prompt, new)
-        last_anchor = len(prompt) + len(ref.tokens) - ref.committed[-1] - 1
-        res = static_decoder(last_anchor + span).generate(prompt, new)
-        assert res.tokens == ref.tokens and res.accepted == ref.accepted and res.stop_reason == ref.stop_reason
-        with pytest.raises(ValueError, match="exceed the cache capacity"):
-            static_decoder(last_anchor + span - 1).generate(prompt, new)
-
-
-@pytest.mark.parametrize("which", ["sharp", "sharp_dspark"])
 def test_static_drafter_hides_rejected_positions_like_the_growing_cache(which, request):
     """Blocks verified with 1..D+1 kept positions: the static drafter (whole verified block written, the
     rejected tail hidden, then overwritten) drafts exactly what the eager drafter with its growing cache drafts."""

@@ -198,17 +198,6 @@ def _generator(device, seed: int | None):
     return torch.Generator(device=device).manual_seed(int(seed))
 
 
-def _to_host(t: torch.Tensor):
-    """Start copying ``t`` to the host without waiting; returns a function that waits and gives it as a list."""
-    if t.device.type != "cuda":
-        return t.tolist
-    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    buf.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    return lambda: (done.synchronize(), buf.tolist())[1]
-
-
 # ---------------------------------------------------------------------------
 # Decoders
 # ---------------------------------------------------------------------------
@@ -369,69 +358,27 @@ class DFlashDecoder:
         sync(dev)
         t1 = time.perf_counter()
         res = DecodeResult(tokens=out, prompt_tokens=P)
-        ahead = temperature <= 0 and tgt.mode != "dynamic" and self.draft.mode != "eager"
-        steps = (self._steps_ahead if ahead else self._steps)(cache, dcache, list(prompt_ids) + out, temperature, gen)
+        seq = list(prompt_ids) + out
         while reason is None:
-            a, step_tokens = next(steps)
-            kept, reason = cut_step(step_tokens, len(out), max_new_tokens, self.eos_ids)
-            out.extend(kept)
-            res.target_forwards += 1
-            res.accepted.append(a)
-            res.committed.append(len(kept))
-            res.committed_raw.append(len(step_tokens))
-        steps.close()
-        sync(dev)
-        res.prefill_s, res.decode_s, res.stop_reason = t1 - t0, time.perf_counter() - t1, reason
-        return res
-
-    def _steps(self, cache, dcache, seq: list[int], temperature: float, gen):
-        """Verify steps one at a time, yielding ``(a, committed tokens)``: the host reads each verdict
-        before it drafts the next block (sampling, and HF's DynamicCache, which is cropped to it)."""
-        tgt, dev = self.target, self.target.device
-        while True:
             n = len(seq)  # target cache holds n-1 positions; seq[-1] sits at position n-1
             last = torch.tensor([[seq[-1]]], device=dev)
             draft = self._propose(dcache, seq, last)
             logits, feats = tgt.forward(cache, torch.cat([last, draft.view(1, -1)], dim=1), n - 1, features=True)
+            res.target_forwards += 1
             a, step_tokens = self._accept(draft, logits, temperature, gen)
-            tgt.keep(cache, n + a)  # the verified positions: the anchor and the a accepted drafts
+            # Keep the verified positions: the anchor and the a accepted drafts.
+            tgt.keep(cache, n + a)
             self.draft.extend(dcache, feats, n - 1, a + 1)
+            kept, reason = cut_step(step_tokens, len(out), max_new_tokens, self.eos_ids)
+            out.extend(kept)
             seq.extend(step_tokens)
-            yield a, step_tokens
+            res.accepted.append(a)
+            res.committed.append(len(kept))
+            res.committed_raw.append(len(step_tokens))
+        sync(dev)
+        res.prefill_s, res.decode_s, res.stop_reason = t1 - t0, time.perf_counter() - t1, reason
+        return res
 
-    def _steps_ahead(self, cache, dcache, seq: list[int], temperature: float, gen):
-        """Greedy verify steps on static caches, one step ahead of the host.
-
-        The verdict is computed on the device (the drafts' matching prefix ``a``, the bonus token) and
-        feeds the next step there: the next anchor token and position. So step k+1 is queued before the
-        host reads step k's verdict (copied back asynchronously), and the GPU does not wait on the host
-        between steps. The same tokens as :meth:`_steps`; after the last step one queued step is wasted
-        (timed). Positions: the caches hold at most ``bound`` positions, known on the host."""
-        tgt, dev, D = self.target, self.target.device, self.n_drafts
-        capacity = min(tgt.cache.capacity, self.draft.capacity)
-        span = max(self.draft.bs, D + 1)  # positions a step writes from its anchor
-        last = torch.tensor([[seq[-1]]], device=dev)
-        start = torch.tensor(len(seq) - 1, device=dev)  # the anchor's position, on the device
-        anchor = len(seq) - 1  # the same on the host, for the steps read so far
-        pending: list = []  # verdicts of the steps queued and not read: [D drafts, D + 1 target tokens, a]
-        while True:
-            if anchor + len(pending) * (D + 1) + span <= capacity:
-                draft = self.draft.propose(dcache, start + 1, last)
-                logits, feats = tgt.forward(cache, torch.cat([last, draft.view(1, -1)], dim=1), start, features=True)
-                y = logits.argmax(dim=-1)  # [D + 1]
-                a = (draft == y[:D]).long().cumprod(0).sum()
-                self.draft.extend(dcache, feats, start, a + 1)
-                last = y.gather(0, a.view(1)).view(1, 1)
-                start = start + a + 1
-                pending.append(_to_host(torch.cat([draft, y, a.view(1)])))
-                if len(pending) < 2:
-                    continue
-            elif not pending:
-                raise ValueError(f"static decode step: positions up to {anchor + span} exceed the cache capacity {capacity}")
-            verdict = pending.pop(0)()
-            d, y, a = verdict[:D], verdict[D:-1], verdict[-1]
-            anchor += a + 1
-            yield a, d[:a] + [y[a]]
 
 #: How the decoders run the target: ``compiled`` (static KV cache, steps compiled and captured as CUDA
 #: graphs on a GPU), ``static`` (the same, not compiled), ``dynamic`` (HF ``DynamicCache``, eager) or

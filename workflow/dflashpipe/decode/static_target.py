@@ -171,7 +171,7 @@ class StaticTargetRunner:
                                  torch.zeros(T, dtype=torch.long, device=self.device), None]
         entry = self._graphs[key]
         entry[1].copy_(ids)
-        entry[2].copy_(start + self.key_pos[:T])
+        entry[2].copy_(torch.arange(start, start + T, device=self.device))
         if new:
             entry[0], entry[3] = capture(lambda: self._captured_step(entry[1], entry[2], features, last_only=False),
                                          self.device, warmups=3)
@@ -187,12 +187,12 @@ class StaticTargetRunner:
         """Verified prefix of ``n`` positions: nothing to do (later positions are masked, then overwritten)."""
 
     @torch.no_grad()
-    def forward(self, cache, ids: torch.Tensor, start, features: bool = False, last_only: bool = False):
-        """``start``: an int, or a 0-dim tensor on the device (not checked against the capacity: the caller's bound)."""
+    def forward(self, cache, ids: torch.Tensor, start: int, features: bool = False, last_only: bool = False):
         T = ids.shape[1]
-        if not isinstance(start, torch.Tensor) and start + T > self.cache.capacity:
+        if start + T > self.cache.capacity:
             raise ValueError(f"static target step: positions up to {start + T} exceed the cache capacity {self.cache.capacity}")
         if self.cuda_graphs and T in self.graph_sizes:
             logits, feats = self._replay(ids, start, features)
             return (logits[-1:] if last_only else logits), feats
-        return self._step(ids, start + self.key_pos[:T], features, last_only)
+        pos = torch.arange(start, start + T, device=self.device)
+        return self._step(ids, pos, features, last_only)
