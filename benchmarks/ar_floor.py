@@ -17,6 +17,10 @@ the evaluation runs into its pieces: the three captured graphs (draft, verify of
 cache's update), each with its kernels and its replay time alone, and the loop's whole step (the
 pieces, the host's copies, the one read-back of the verdict) over ``--new`` tokens of a prompt.
 
+The compiled steps are measured twice: with PyTorch's default attention backends, and with cuDNN
+attention off, as the evaluation compiles them (``evaluate/settings.py``: ``cudnn_sdpa``), since the
+backend is chosen when the step is compiled.
+
     python benchmarks/ar_floor.py --target resources/targets/smollm2-135m-instruct --out ar_floor.json
     python benchmarks/ar_floor.py --target T --drafter results/train/drafter --out ar_floor.json
 """
@@ -81,6 +85,7 @@ def kernels_of(fn, device) -> int:
 
 
 def measure(target: str, compile: bool, new: int, prompt_len: int, device) -> dict:
+    """The AR step of ``target`` (captured; compiled first with ``compile``) under the attention backends set now."""
     from transformers import AutoModelForCausalLM
 
     from dflashpipe.decode.speculative import ARDecoder
@@ -107,7 +112,7 @@ def measure(target: str, compile: bool, new: int, prompt_len: int, device) -> di
         torch.cuda.synchronize(device)
     graph_ms = (time.perf_counter() - t0) / reps * 1e3
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"mode": runner.mode, "kernels": kernels, "graph_ms": graph_ms, "loop_ms": loop_ms,
+    return {"mode": runner.mode, "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(), "kernels": kernels, "graph_ms": graph_ms, "loop_ms": loop_ms,
             "loop_tokens": res.decode_tokens, "setup_s": setup_s, "weight_bytes": weight_bytes}
 
 
@@ -145,7 +150,7 @@ def measure_dflash(target: str, drafter_dir: str, new: int, prompt_len: int, dev
                    "extend": kernels_of(draft._pieces["extend"], device)}
         e = verify._graphs[(dcfg.num_drafts + 1, True)]
         kernels["verify"] = kernels_of(lambda: verify._captured_step(e[1], e[2], True, False), device)
-    out = {"arch": dcfg.arch, "block_size": dcfg.block_size, "num_drafts": dcfg.num_drafts, "setup_s": setup_s,
+    out = {"arch": dcfg.arch, "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(), "block_size": dcfg.block_size, "num_drafts": dcfg.num_drafts, "setup_s": setup_s,
            "step_ms": res.decode_s / max(1, res.verify_steps) * 1e3, "steps": res.verify_steps,
            "tau": res.tau, "tokens": res.decode_tokens}
     for name, graph in pieces.items():
@@ -165,29 +170,32 @@ def main() -> int:
     a = ap.parse_args()
     device = torch.device("cuda")
     node_us, bw = node_cost_us(device), copy_bandwidth(device)
-    rows = []
-    for compile in (False, True):
+    cudnn_default = torch.backends.cuda.cudnn_sdp_enabled()
+    out = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "node_us": node_us,
+           "copy_bytes_per_s": bw, "modes": [], "dflash_steps": []}
+    # captured as is; compiled; compiled with cuDNN attention off (the evaluation's setting)
+    for compile, cudnn in ((False, cudnn_default), (True, cudnn_default), (True, False)):
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+        torch._dynamo.reset()  # Dynamo does not guard on the backend flags: trace each setting afresh
         r = measure(a.target, compile, a.new, a.prompt_len, device)
         r["floor_ms"] = r["kernels"] * node_us / 1e3
         r["memory_bound_ms"] = r["weight_bytes"] / bw * 1e3
-        rows.append(r)
-        print(f"{r['mode']}: {r['kernels']} kernels/step, graph {r['graph_ms']:.3f} ms, AR loop {r['loop_ms']:.3f} "
-              f"ms/token; floor {r['kernels']} x {node_us:.2f} us = {r['floor_ms']:.3f} ms; memory-bound "
-              f"{r['memory_bound_ms']:.3f} ms; setup {r['setup_s']:.1f} s", flush=True)
-    out = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "node_us": node_us,
-           "copy_bytes_per_s": bw, "modes": rows}
-    if a.out:
-        Path(a.out).write_text(json.dumps(out, indent=1))
-    if a.drafter:
-        d = out["dflash_step"] = measure_dflash(a.target, a.drafter, a.new, a.prompt_len, device)
-        ar = rows[-1]
-        print(f"DFlash step ({d['arch']}, {d['num_drafts']} drafts), compiled: {d['step_ms']:.3f} ms = "
-              f"{d['step_ms'] / ar['loop_ms']:.2f} AR tokens ({ar['loop_ms']:.3f} ms); draft {d['draft_kernels']} kernels "
-              f"{d['draft_ms']:.3f} ms, verify {d['verify_kernels']} kernels {d['verify_ms']:.3f} ms, extend "
-              f"{d['extend_kernels']} kernels {d['extend_ms']:.3f} ms, the rest (host) {d['host_ms']:.3f} ms; "
-              f"floor {(d['draft_kernels'] + d['verify_kernels'] + d['extend_kernels']) * node_us / 1e3:.3f} ms", flush=True)
-    if a.out:
-        Path(a.out).write_text(json.dumps(out, indent=1))
+        out["modes"].append(r)
+        print(f"{r['mode']} (cuDNN attention {'on' if cudnn else 'off'}): {r['kernels']} kernels/step, graph "
+              f"{r['graph_ms']:.3f} ms, AR loop {r['loop_ms']:.3f} ms/token; floor {r['kernels']} x {node_us:.2f} us = "
+              f"{r['floor_ms']:.3f} ms; memory-bound {r['memory_bound_ms']:.3f} ms; setup {r['setup_s']:.1f} s", flush=True)
+        if compile and a.drafter:
+            d = measure_dflash(a.target, a.drafter, a.new, a.prompt_len, device)
+            out["dflash_steps"].append(d)
+            print(f"DFlash step ({d['arch']}, {d['num_drafts']} drafts), compiled, cuDNN attention "
+                  f"{'on' if cudnn else 'off'}: {d['step_ms']:.3f} ms = {d['step_ms'] / r['loop_ms']:.2f} AR tokens "
+                  f"({r['loop_ms']:.3f} ms); draft {d['draft_kernels']} kernels {d['draft_ms']:.3f} ms, verify "
+                  f"{d['verify_kernels']} kernels {d['verify_ms']:.3f} ms, extend {d['extend_kernels']} kernels "
+                  f"{d['extend_ms']:.3f} ms, the rest (host) {d['host_ms']:.3f} ms; floor "
+                  f"{(d['draft_kernels'] + d['verify_kernels'] + d['extend_kernels']) * node_us / 1e3:.3f} ms", flush=True)
+        if a.out:
+            Path(a.out).write_text(json.dumps(out, indent=1))
+    torch.backends.cuda.enable_cudnn_sdp(cudnn_default)
     return 0
 
 
