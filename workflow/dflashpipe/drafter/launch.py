@@ -159,7 +159,7 @@ def launch(command: list[str], rank_logs: list[str], log=print, *, meet: Rendezv
     starts = _log_sizes(rank_logs)
     # node k's agent joins torch's static rendezvous as group k: the first node's agent holds the store at
     # ``master``; one node holds it on this machine's loopback (no hostname to resolve: a cluster node's
-    # own name may not resolve; 0.2 s sooner to start than torchrun --standalone's c10d rendezvous)
+    # own name may not resolve; quicker to start than torchrun --standalone's c10d rendezvous: docs/multi-gpu.md)
     config = LaunchConfig(
         min_nodes=meet.nodes, max_nodes=meet.nodes, nproc_per_node=per_node, run_id=meet.run_id or uuid.uuid4().hex[:12],
         role="rank", rdzv_backend="static", rdzv_endpoint=meet.master or f"127.0.0.1:{_free_port()}",

@@ -2,7 +2,7 @@
 
 A target's weights are identified by their content: a fine-tune swapped into the
 same directory has the same names and sizes, and must not resume the old run
-or reuse its expansions. Reading them costs ~1.5 s per GB (sha256, one core of a busy 2-core machine: 0.3 s for 200 MB),
+or reuse its expansions. Reading them takes seconds per GB (docs/reliability.md),
 so a digest is kept in a small JSON sidecar keyed by the file's resolved path,
 size, mtime_ns, ctime_ns, inode and device: any write, copy or rename over the
 file changes at least one of them (ctime cannot be set back by ``touch``), and
