@@ -299,14 +299,14 @@ def test_data_order_is_deterministic_bucketed_and_disjoint():
 # -- 6. it learns ------------------------------------------------------------------------
 
 
-def test_loss_decreases(micro_target, micro_tokenized, tmp_path, monkeypatch):
+def test_loss_decreases(micro_target, micro_tokenized, tmp_path):
     cfg = TrainConfig(**BASE, max_steps=20, warmup_ratio=0.1, checkpoint_every=100, eval_every=10)
     a = rank_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 1, "rdzv", "learn")
     # a run without a hot start (no priming) still makes room for every bucket's compiled graphs: on a GPU
     # a bucket past Dynamo's default limit of 8 would fall back to eager flex_attention, which is refused
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
-    s = train_rank(**a, log=quiet)
-    assert torch._dynamo.config.recompile_limit >= 4 * 1 + 8  # room for (at least) one bucket's graphs
+    with torch._dynamo.config.patch(recompile_limit=8):
+        s = train_rank(**a, log=quiet)
+        assert torch._dynamo.config.recompile_limit >= 4 * 1 + 8  # room for (at least) one bucket's graphs
     rows = read_metrics(a["run"].metrics_csv)
     loss = [float(r["loss"]) for r in rows]
     assert len(loss) == 20
