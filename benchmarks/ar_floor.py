@@ -112,8 +112,8 @@ def measure(target: str, compile: bool, new: int, prompt_len: int, device) -> di
         torch.cuda.synchronize(device)
     graph_ms = (time.perf_counter() - t0) / reps * 1e3
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"mode": runner.mode, "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(), "kernels": kernels, "graph_ms": graph_ms, "loop_ms": loop_ms,
-            "loop_tokens": res.decode_tokens, "setup_s": setup_s, "weight_bytes": weight_bytes}
+    return {"mode": runner.mode, "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(), "kernels": kernels,
+            "graph_ms": graph_ms, "loop_ms": loop_ms, "loop_tokens": res.decode_tokens, "setup_s": setup_s, "weight_bytes": weight_bytes}
 
 
 def replay_ms(graph, device, reps: int = 200) -> float:
@@ -150,7 +150,8 @@ def measure_dflash(target: str, drafter_dir: str, new: int, prompt_len: int, dev
                    "extend": kernels_of(draft._pieces["extend"], device)}
         e = verify._graphs[(dcfg.num_drafts + 1, True)]
         kernels["verify"] = kernels_of(lambda: verify._captured_step(e[1], e[2], True, False), device)
-    out = {"arch": dcfg.arch, "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(), "block_size": dcfg.block_size, "num_drafts": dcfg.num_drafts, "setup_s": setup_s,
+    out = {"arch": dcfg.arch, "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(), "block_size": dcfg.block_size,
+           "num_drafts": dcfg.num_drafts, "setup_s": setup_s,
            "step_ms": res.decode_s / max(1, res.verify_steps) * 1e3, "steps": res.verify_steps,
            "tau": res.tau, "tokens": res.decode_tokens}
     for name, graph in pieces.items():

@@ -8,9 +8,8 @@
 #                                                       # SEEDS_AFTER=1: then start the `seeds` runs
 #   bash benchmarks/gpu_smollm2.sh seeds                # RECIPES x SEEDS (default: dflash2 x 0 1 2), one run
 #                                                       # each, in the background (setsid): they outlive the call;
-#                                                       # TAU_SETS=a,b: each then evaluates its tau there (as taus)
+#                                                       # TAU_SETS=a,b: each then evaluates its tau on those sets
 #   bash benchmarks/gpu_smollm2.sh wait   OUT           # until the seeds' runs end (or WAIT_S); report
-#   bash benchmarks/gpu_smollm2.sh taus   OUT           # every drafter's tau, all evaluated at once
 #   bash benchmarks/gpu_smollm2.sh speed  OUT           # each seed's drafter alone on the GPU: compiled
 #                                                       # AR beside it, the AR floor, the DFlash step split
 #                                                       # (FIRST_ALL=0: no run on every eval set; FLOOR=0: no floor)
@@ -64,8 +63,8 @@ stash)
 seeds)
     # RECIPES (default: the config's dflash2) x SEEDS, STEPS steps each, one process per run, all on the
     # GPU at once (held-out simulated tau every 200 steps: the data-and-steps curve); `speed` evaluates
-    # each drafter alone. TAU_SETS: each run then evaluates its tau on those sets, as `taus` does
-    # (DFlash alone, static target step; tau does not depend on the GPU's load)
+    # each drafter alone. TAU_SETS: each run then evaluates its tau on those sets (static target step;
+    # tau does not depend on the GPU's load, so the runs share it)
     mkdir -p "$WORK/seeds"
     after=(--train-only)
     [ -z "${TAU_SETS:-}" ] || after=(--eval-sets "$TAU_SETS" --set evaluate.target_step=static
@@ -161,28 +160,6 @@ train)
     python3 benchmarks/plot_data_curve.py "$WORK/runs" "$WORK/report_train/data_curve.png" \
         | tee "$WORK/report_train/data_curve.txt" || true
     report "$WORK/report_train" "$ARG"
-    ;;
-taus)
-    # every drafter of `seeds` evaluated at once, DFlash alone (tau does not depend on the GPU's load;
-    # `speed` measures speed, alone): TAU_SETS x EVAL_PROMPTS, static target step (no compile)
-    mkdir -p "$ARG" "$WORK/report_taus"
-    pids=() runs=()
-    for r in $RECIPE_LIST; do
-        for s in $SEEDS; do
-            name=${r}_s$s
-            [ -d "$WORK/seeds/$name/runs/$name/drafter" ] || { echo "$name: no drafter"; continue; }
-            "${R[@]}" --out "$WORK/seeds/$name" --recipes "$r" --seeds "$s" \
-                --eval-sets "${TAU_SETS:-math_heldout,code_heldout}" --set train.max_steps="${STEPS:-2000}" \
-                --set train.eval_every=200 --set evaluate.target_step=static \
-                --set evaluate.num_prompts="${EVAL_PROMPTS:-32}" --methods dflash > "$WORK/report_taus/$name.log" 2>&1 &
-            pids+=($!) runs+=("$WORK/seeds/$name")
-        done
-    done
-    for p in "${pids[@]}"; do wait "$p" || echo "an evaluation failed: $p"; done
-    [ ${#runs[@]} -eq 0 ] || python3 benchmarks/recipes.py --out "$WORK/report_taus" --combine "${runs[@]}"
-    [ ! -f "$WORK/report_taus/summary.md" ] || sed -i '1i **Tau only**: every evaluation shared the GPU, so its speed-ups are not speed figures (`speed` runs alone).\n' \
-        "$WORK/report_taus/summary.md"
-    report "$WORK/report_taus" "$ARG"
     ;;
 speed)
     # each drafter of `seeds` (SPEED_SEEDS: of those seeds only) alone on the GPU, the target's steps
