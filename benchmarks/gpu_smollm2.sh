@@ -90,7 +90,9 @@ wait)
         echo "$name: $(tr '\r' '\n' < "$f" | grep -v '^$' | tail -1 | cut -c1-160)"
         grep -h "simulated tau" "$f" | tail -3 || true
         cp "$f" "$WORK/report_seeds/"
-        cp "$WORK/seeds/$name"/runs/*/metrics.csv "$WORK/report_seeds/${name}_metrics.csv" 2>/dev/null || true
+        # a finished run's published metrics; a run still going: its checkpoints' history so far
+        cp "$WORK/seeds/$name"/runs/*/metrics.csv "$WORK/report_seeds/${name}_metrics.csv" 2>/dev/null \
+            || cp "$WORK/seeds/$name"/runs/*/checkpoints/*/metrics.csv "$WORK/report_seeds/${name}_metrics.csv" 2>/dev/null || true
     done
     if ! pgrep -f "recipes.py.*$WORK/seeds/" > /dev/null; then
         python3 benchmarks/plot_data_curve.py "$WORK/seeds" "$WORK/report_seeds/data_curve.png" \
