@@ -19,10 +19,17 @@ pieces, the host's copies, the one read-back of the verdict) over ``--new`` toke
 
 The compiled steps are measured twice: with PyTorch's default attention backends, and with cuDNN
 attention off, as the evaluation compiles them (``evaluate/settings.py``: ``cudnn_sdpa``), since the
-backend is chosen when the step is compiled.
+backend is chosen when the step is compiled (``--modes eval``: that one only).
+
+``--target`` may be a ``config.json`` instead of a model directory, and ``--drafter random`` a drafter
+of the config's shapes (``--block-size``, ``--mask-token-id``): random weights, since which kernels run
+and how long they take do not depend on the weights (tau does). ``--inductor k=v,...`` sets
+``torch._inductor.config`` for every compile (e.g. ``max_autotune=1``); ``--kernels`` adds each
+captured piece's kernels by kind (matmul, attention, Inductor's fused, other) and its slowest kernels.
 
     python benchmarks/ar_floor.py --target resources/targets/smollm2-135m-instruct --out ar_floor.json
     python benchmarks/ar_floor.py --target T --drafter results/train/drafter --out ar_floor.json
+    python benchmarks/ar_floor.py --target T/config.json --drafter random --modes eval --kernels --inductor max_autotune=1
 """
 
 from __future__ import annotations
@@ -74,24 +81,70 @@ def copy_bandwidth(device) -> float:
     return 2 * a.numel() * 5 / (time.perf_counter() - t0)
 
 
-def kernels_of(fn, device) -> int:
+def cuda_kernels(fn, device) -> list:
+    """(name, microseconds) of each GPU kernel one uncaptured call of ``fn`` runs."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize(device)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize(device)
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def measure(target: str, compile: bool, new: int, prompt_len: int, device) -> dict:
+def kernels_of(fn, device) -> int:
+    return len(cuda_kernels(fn, device))
+
+
+KINDS = (("matmul", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "triton_tem", "splitk")),
+         ("attention", ("fmha", "flash", "attention", "sdpa", "efficient")), ("fused", ("triton_",)))
+
+
+def kernel_breakdown(fn, device, top: int = 8) -> dict:
+    """``fn``'s kernels by kind (count, busy us) and its ``top`` slowest kernels (name, count, us)."""
+    kinds, names = {}, {}
+    for name, us in cuda_kernels(fn, device):
+        kind = next((k for k, keys in KINDS if any(key in name.lower() for key in keys)), "other")
+        c = kinds.setdefault(kind, [0, 0.0])
+        c[0], c[1] = c[0] + 1, c[1] + us
+        c = names.setdefault(name[:90], [0, 0.0])
+        c[0], c[1] = c[0] + 1, c[1] + us
+    slowest = sorted(names.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"busy_us": sum(c[1] for c in kinds.values()), "kinds": kinds, "slowest": slowest}
+
+
+def load_target(path: str, device):
+    """A model directory, or a config.json: that model with random weights (the same kernels, the same times)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if Path(path).is_file():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    return model.to(device).eval()
+
+
+def random_drafter(target: str, block_size: int, mask_token_id: int, out: Path) -> str:
+    """An exported drafter (the default arch, 5 layers) of ``target``'s shapes with random weights, at ``out``."""
+    from transformers import AutoConfig
+
+    from dflashpipe.drafter.export import save_drafter
+    from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
+
+    tc = AutoConfig.from_pretrained(target)
+    cfg = DrafterConfig.from_target_config(tc, block_size=block_size, mask_token_id=mask_token_id)
+    torch.manual_seed(0)
+    save_drafter(DFlashDrafter(cfg), cfg, out, target_config=tc, dtype=torch.bfloat16)
+    return str(out)
+
+
+def measure(target: str, compile: bool, new: int, prompt_len: int, device, breakdown: bool = False) -> dict:
     """The AR step of ``target`` (captured; compiled first with ``compile``) under the attention backends set now."""
-    from transformers import AutoModelForCausalLM
-
     from dflashpipe.decode.speculative import ARDecoder
     from dflashpipe.decode.static_target import StaticTargetRunner
 
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).to(device).eval()
+    model = load_target(target, device)
     runner = StaticTargetRunner(model, capacity=1024, graph_sizes=(1,), compile=compile)
     prompt = torch.randint(100, 1000, (prompt_len,)).tolist()
     dec = ARDecoder(model, eos_ids=[], runner=runner)
@@ -104,6 +157,7 @@ def measure(target: str, compile: bool, new: int, prompt_len: int, device) -> di
     pos = torch.tensor([prompt_len], device=device)
     with torch.no_grad():
         kernels = kernels_of(lambda: runner._captured_step(ids, pos, False, True), device)
+        detail = kernel_breakdown(lambda: runner._captured_step(ids, pos, False, True), device) if breakdown else None
         graph = runner._graphs[(1, False)][0]
         torch.cuda.synchronize(device)
         t0, reps = time.perf_counter(), 200
@@ -113,7 +167,8 @@ def measure(target: str, compile: bool, new: int, prompt_len: int, device) -> di
     graph_ms = (time.perf_counter() - t0) / reps * 1e3
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"mode": runner.mode, "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(), "kernels": kernels,
-            "graph_ms": graph_ms, "loop_ms": loop_ms, "loop_tokens": res.decode_tokens, "setup_s": setup_s, "weight_bytes": weight_bytes}
+            "graph_ms": graph_ms, "loop_ms": loop_ms, "loop_tokens": res.decode_tokens, "setup_s": setup_s, "weight_bytes": weight_bytes,
+            **({"kernel_breakdown": detail} if detail else {})}
 
 
 def replay_ms(graph, device, reps: int = 200) -> float:
@@ -126,14 +181,12 @@ def replay_ms(graph, device, reps: int = 200) -> float:
     return (time.perf_counter() - t0) / reps * 1e3
 
 
-def measure_dflash(target: str, drafter_dir: str, new: int, prompt_len: int, device) -> dict:
+def measure_dflash(target: str, drafter_dir: str, new: int, prompt_len: int, device, breakdown: bool = False) -> dict:
     """The compiled DFlash step's pieces (as the evaluation builds them), each alone, and the loop's step."""
-    from transformers import AutoModelForCausalLM
-
     from dflashpipe.decode.speculative import DFlashDecoder, drafter_runner, target_runner
     from dflashpipe.drafter.export import load_drafter
 
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).to(device).eval()
+    model = load_target(target, device)
     drafter, dcfg = load_drafter(drafter_dir, device=device, dtype=torch.bfloat16)
     verify = target_runner(model, "compiled", dcfg.target_layer_ids, 1024, graph_sizes=(dcfg.num_drafts + 1,))
     draft = drafter_runner(drafter, verify, "compiled", 1024)
@@ -145,11 +198,12 @@ def measure_dflash(target: str, drafter_dir: str, new: int, prompt_len: int, dev
     res = dec.generate(prompt, new)
     pieces = {"draft": draft._graphs["propose"][0], "extend": draft._graphs["extend"][0],
               "verify": verify._graphs[(dcfg.num_drafts + 1, True)][0]}
+    e = verify._graphs[(dcfg.num_drafts + 1, True)]
+    fns = {"draft": draft._pieces["propose"], "extend": draft._pieces["extend"],
+           "verify": lambda: verify._captured_step(e[1], e[2], True, False)}
     with torch.no_grad():
-        kernels = {"draft": kernels_of(draft._pieces["propose"], device),
-                   "extend": kernels_of(draft._pieces["extend"], device)}
-        e = verify._graphs[(dcfg.num_drafts + 1, True)]
-        kernels["verify"] = kernels_of(lambda: verify._captured_step(e[1], e[2], True, False), device)
+        kernels = {name: kernels_of(fn, device) for name, fn in fns.items()}
+        detail = {name: kernel_breakdown(fn, device) for name, fn in fns.items()} if breakdown else None
     out = {"arch": dcfg.arch, "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(), "block_size": dcfg.block_size,
            "num_drafts": dcfg.num_drafts, "setup_s": setup_s,
            "step_ms": res.decode_s / max(1, res.verify_steps) * 1e3, "steps": res.verify_steps,
@@ -158,6 +212,8 @@ def measure_dflash(target: str, drafter_dir: str, new: int, prompt_len: int, dev
         out[f"{name}_kernels"] = kernels[name]
         out[f"{name}_ms"] = replay_ms(graph, device)
     out["host_ms"] = out["step_ms"] - sum(out[f"{n}_ms"] for n in pieces)
+    if detail:
+        out["kernel_breakdown"] = detail
     return out
 
 
@@ -166,19 +222,36 @@ def main() -> int:
     ap.add_argument("--target", required=True)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=120)
-    ap.add_argument("--drafter", help="an exported drafter for this target: split the DFlash step too")
+    ap.add_argument("--drafter", help="an exported drafter for this target, or 'random': split the DFlash step too")
+    ap.add_argument("--block-size", type=int, default=8, help="--drafter random: its block")
+    ap.add_argument("--mask-token-id", type=int, default=16, help="--drafter random: its mask token")
+    ap.add_argument("--modes", choices=("all", "eval"), default="all",
+                    help="eval: only the evaluation's (compiled, cuDNN attention off)")
+    ap.add_argument("--inductor", default="", help="torch._inductor.config settings for every compile: k=v,...")
+    ap.add_argument("--kernels", action="store_true", help="each step's kernels by kind, and its slowest")
     ap.add_argument("--out")
     a = ap.parse_args()
     device = torch.device("cuda")
+    # every setting compiled afresh: Inductor's FX graph cache does not key on the attention backend
+    # flags, so a second compile of the same step would reuse the first one's kernels
+    torch._inductor.config.fx_graph_cache = False
+    for item in filter(None, a.inductor.split(",")):
+        key, value = item.split("=")
+        setattr(torch._inductor.config, key, type(getattr(torch._inductor.config, key))(int(value)))
+    if a.drafter == "random":
+        import tempfile
+
+        a.drafter = random_drafter(a.target, a.block_size, a.mask_token_id, Path(tempfile.mkdtemp()) / "drafter")
     node_us, bw = node_cost_us(device), copy_bandwidth(device)
     cudnn_default = torch.backends.cuda.cudnn_sdp_enabled()
     out = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "node_us": node_us,
-           "copy_bytes_per_s": bw, "modes": [], "dflash_steps": []}
+           "copy_bytes_per_s": bw, "inductor": a.inductor, "modes": [], "dflash_steps": []}
     # captured as is; compiled; compiled with cuDNN attention off (the evaluation's setting)
-    for compile, cudnn in ((False, cudnn_default), (True, cudnn_default), (True, False)):
+    settings = ((False, cudnn_default), (True, cudnn_default), (True, False)) if a.modes == "all" else ((True, False),)
+    for compile, cudnn in settings:
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
         torch._dynamo.reset()  # Dynamo does not guard on the backend flags: trace each setting afresh
-        r = measure(a.target, compile, a.new, a.prompt_len, device)
+        r = measure(a.target, compile, a.new, a.prompt_len, device, a.kernels)
         r["floor_ms"] = r["kernels"] * node_us / 1e3
         r["memory_bound_ms"] = r["weight_bytes"] / bw * 1e3
         out["modes"].append(r)
@@ -186,7 +259,7 @@ def main() -> int:
               f"{r['graph_ms']:.3f} ms, AR loop {r['loop_ms']:.3f} ms/token; floor {r['kernels']} x {node_us:.2f} us = "
               f"{r['floor_ms']:.3f} ms; memory-bound {r['memory_bound_ms']:.3f} ms; setup {r['setup_s']:.1f} s", flush=True)
         if compile and a.drafter:
-            d = measure_dflash(a.target, a.drafter, a.new, a.prompt_len, device)
+            d = measure_dflash(a.target, a.drafter, a.new, a.prompt_len, device, a.kernels)
             out["dflash_steps"].append(d)
             print(f"DFlash step ({d['arch']}, {d['num_drafts']} drafts), compiled, cuDNN attention "
                   f"{'on' if cudnn else 'off'}: {d['step_ms']:.3f} ms = {d['step_ms'] / r['loop_ms']:.2f} AR tokens "
