@@ -22,7 +22,7 @@ attention off, as the evaluation compiles them (``evaluate/settings.py``: ``cudn
 backend is chosen when the step is compiled (``--modes eval``: that one only).
 
 ``--target`` may be a ``config.json`` instead of a model directory, and ``--drafter random`` a drafter
-of the config's shapes (``--block-size``, ``--mask-token-id``): random weights, since which kernels run
+of its shapes with ``--config``'s ``drafter`` section (layers, block, mask token): random weights, since which kernels run
 and how long they take do not depend on the weights (tau does). ``--inductor k=v,...`` sets
 ``torch._inductor.config`` for every compile (e.g. ``max_autotune=1``); ``--kernels`` adds each
 captured piece's kernels by kind (matmul, attention, Inductor's fused, other) and its slowest kernels.
@@ -42,8 +42,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
+
+from decode_speed import set_inductor  # noqa: E402
 
 
 def node_cost_us(device, nodes: int = 1000) -> float:
@@ -92,18 +95,14 @@ def cuda_kernels(fn, device) -> list:
     return [(e.name, e.time_range.elapsed_us()) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def kernels_of(fn, device) -> int:
-    return len(cuda_kernels(fn, device))
-
-
 KINDS = (("matmul", ("gemm", "gemv", "xmma", "cutlass", "nvjet", "triton_tem", "splitk")),
          ("attention", ("fmha", "flash", "attention", "sdpa", "efficient")), ("fused", ("triton_",)))
 
 
-def kernel_breakdown(fn, device, top: int = 8) -> dict:
-    """``fn``'s kernels by kind (count, busy us) and its ``top`` slowest kernels (name, count, us)."""
+def kernel_breakdown(kernels: list, top: int = 8) -> dict:
+    """:func:`cuda_kernels`' list by kind (count, busy us) and its ``top`` slowest kernels (name, count, us)."""
     kinds, names = {}, {}
-    for name, us in cuda_kernels(fn, device):
+    for name, us in kernels:
         kind = next((k for k, keys in KINDS if any(key in name.lower() for key in keys)), "other")
         c = kinds.setdefault(kind, [0, 0.0])
         c[0], c[1] = c[0] + 1, c[1] + us
@@ -125,15 +124,19 @@ def load_target(path: str, device):
     return model.to(device).eval()
 
 
-def random_drafter(target: str, block_size: int, mask_token_id: int, out: Path) -> str:
-    """An exported drafter (the default arch, 5 layers) of ``target``'s shapes with random weights, at ``out``."""
+def random_drafter(target: str, config: str, out: Path) -> str:
+    """An exported drafter of ``target``'s shapes and ``config``'s drafter section, random weights, at ``out``."""
     from transformers import AutoConfig
 
+    from dflashpipe.config import load_yaml
     from dflashpipe.drafter.export import save_drafter
-    from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
+    from dflashpipe.drafter.model import ARCH_KEYS, DFlashDrafter, DrafterConfig
 
+    d = load_yaml(config)["drafter"]  # the keys it sets; DrafterConfig's defaults (the schema's) for the rest
+    named = {"num_layers": "num_hidden_layers", "block_size": "block_size", "mask_token_id": "mask_token_id",
+             **{k: k for k in ARCH_KEYS}}
     tc = AutoConfig.from_pretrained(target)
-    cfg = DrafterConfig.from_target_config(tc, block_size=block_size, mask_token_id=mask_token_id)
+    cfg = DrafterConfig.from_target_config(tc, **{named[k]: v for k, v in d.items() if k in named})
     torch.manual_seed(0)
     save_drafter(DFlashDrafter(cfg), cfg, out, target_config=tc, dtype=torch.bfloat16)
     return str(out)
@@ -156,8 +159,8 @@ def measure(target: str, compile: bool, new: int, prompt_len: int, device, break
     ids = torch.tensor([[prompt[-1]]], device=device)
     pos = torch.tensor([prompt_len], device=device)
     with torch.no_grad():
-        kernels = kernels_of(lambda: runner._captured_step(ids, pos, False, True), device)
-        detail = kernel_breakdown(lambda: runner._captured_step(ids, pos, False, True), device) if breakdown else None
+        step = cuda_kernels(lambda: runner._captured_step(ids, pos, False, True), device)
+        kernels, detail = len(step), kernel_breakdown(step) if breakdown else None
         graph = runner._graphs[(1, False)][0]
         torch.cuda.synchronize(device)
         t0, reps = time.perf_counter(), 200
@@ -202,8 +205,9 @@ def measure_dflash(target: str, drafter_dir: str, new: int, prompt_len: int, dev
     fns = {"draft": draft._pieces["propose"], "extend": draft._pieces["extend"],
            "verify": lambda: verify._captured_step(e[1], e[2], True, False)}
     with torch.no_grad():
-        kernels = {name: kernels_of(fn, device) for name, fn in fns.items()}
-        detail = {name: kernel_breakdown(fn, device) for name, fn in fns.items()} if breakdown else None
+        listed = {name: cuda_kernels(fn, device) for name, fn in fns.items()}
+    kernels = {name: len(ks) for name, ks in listed.items()}
+    detail = {name: kernel_breakdown(ks) for name, ks in listed.items()} if breakdown else None
     out = {"arch": dcfg.arch, "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(), "block_size": dcfg.block_size,
            "num_drafts": dcfg.num_drafts, "setup_s": setup_s,
            "step_ms": res.decode_s / max(1, res.verify_steps) * 1e3, "steps": res.verify_steps,
@@ -223,8 +227,7 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=120)
     ap.add_argument("--drafter", help="an exported drafter for this target, or 'random': split the DFlash step too")
-    ap.add_argument("--block-size", type=int, default=8, help="--drafter random: its block")
-    ap.add_argument("--mask-token-id", type=int, default=16, help="--drafter random: its mask token")
+    ap.add_argument("--config", default=str(REPO / "config" / "smollm2.yaml"), help="--drafter random: its drafter section")
     ap.add_argument("--modes", choices=("all", "eval"), default="all",
                     help="eval: only the evaluation's (compiled, cuDNN attention off)")
     ap.add_argument("--inductor", default="", help="torch._inductor.config settings for every compile: k=v,...")
@@ -235,13 +238,11 @@ def main() -> int:
     # every setting compiled afresh: Inductor's FX graph cache does not key on the attention backend
     # flags, so a second compile of the same step would reuse the first one's kernels
     torch._inductor.config.fx_graph_cache = False
-    for item in filter(None, a.inductor.split(",")):
-        key, value = item.split("=")
-        setattr(torch._inductor.config, key, type(getattr(torch._inductor.config, key))(int(value)))
+    set_inductor(a.inductor)
     if a.drafter == "random":
         import tempfile
 
-        a.drafter = random_drafter(a.target, a.block_size, a.mask_token_id, Path(tempfile.mkdtemp()) / "drafter")
+        a.drafter = random_drafter(a.target, a.config, Path(tempfile.mkdtemp()) / "drafter")
     node_us, bw = node_cost_us(device), copy_bandwidth(device)
     cudnn_default = torch.backends.cuda.cudnn_sdp_enabled()
     out = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "node_us": node_us,

@@ -63,6 +63,13 @@ from train_throughput import QWEN3_8B, TINY, build_target  # noqa: E402
 GIB = 2**30
 
 
+def set_inductor(spec: str) -> None:
+    """``k=v,...``: integer-valued torch._inductor.config settings for every later compile (e.g. max_autotune=1)."""
+    for item in filter(None, spec.split(",")):
+        key, value = item.split("=")
+        setattr(torch._inductor.config, key, type(getattr(torch._inductor.config, key))(int(value)))
+
+
 def sync(dev):
     if torch.device(dev).type == "cuda":
         torch.cuda.synchronize()
@@ -450,9 +457,7 @@ def main() -> None:
                     help="comma-separated torch._inductor.config settings for every compile, e.g. max_autotune=1")
     a = ap.parse_args()
     dev = a.device
-    for item in filter(None, a.inductor.split(",")):
-        key, value = item.split("=")
-        setattr(torch._inductor.config, key, type(getattr(torch._inductor.config, key))(int(value)))
+    set_inductor(a.inductor)
     shapes = TINY if a.tiny else QWEN3_8B
     target, tcfg = build_target(shapes, 2048, a.block_size, dev)
     import transformers
