@@ -17,9 +17,10 @@ the evaluation runs into its pieces: the three captured graphs (draft, verify of
 cache's update), each with its kernels and its replay time alone, and the loop's whole step (the
 pieces, the host's copies, the one read-back of the verdict) over ``--new`` tokens of a prompt.
 
-The compiled steps are measured twice: with PyTorch's default attention backends, and with cuDNN
-attention off, as the evaluation compiles them (``evaluate/settings.py``: ``cudnn_sdpa``), since the
-backend is chosen when the step is compiled (``--modes eval``: that one only).
+The compiled steps are measured three times: attending with SDPA under PyTorch's default backends, with
+SDPA and cuDNN attention off (the backend is chosen when the step is compiled, and the evaluation turns
+cuDNN's off: ``evaluate/settings.py``, ``cudnn_sdpa``), and with flex_attention, as the evaluation
+compiles them (``--modes eval``: that one only).
 
 ``--target`` may be a ``config.json`` instead of a model directory, and ``--drafter random`` a drafter
 of its shapes with ``--config``'s ``drafter`` section (layers, block, mask token): random weights, since which kernels run
@@ -142,13 +143,14 @@ def random_drafter(target: str, config: str, out: Path) -> str:
     return str(out)
 
 
-def measure(target: str, compile: bool, new: int, prompt_len: int, device, breakdown: bool = False) -> dict:
-    """The AR step of ``target`` (captured; compiled first with ``compile``) under the attention backends set now."""
+def measure(target: str, compile: bool, attention: str, new: int, prompt_len: int, device, breakdown: bool = False) -> dict:
+    """The AR step of ``target`` (captured; compiled first with ``compile``) attending with ``attention``
+    (flex, or SDPA under the backends set now)."""
     from dflashpipe.decode.speculative import ARDecoder
     from dflashpipe.decode.static_target import StaticTargetRunner
 
     model = load_target(target, device)
-    runner = StaticTargetRunner(model, capacity=1024, graph_sizes=(1,), compile=compile)
+    runner = StaticTargetRunner(model, capacity=1024, graph_sizes=(1,), compile=compile, attention=attention)
     prompt = torch.randint(100, 1000, (prompt_len,)).tolist()
     dec = ARDecoder(model, eos_ids=[], runner=runner)
     t0 = time.perf_counter()
@@ -157,7 +159,7 @@ def measure(target: str, compile: bool, new: int, prompt_len: int, device, break
     res = dec.generate(prompt, new)
     loop_ms = res.decode_s / max(1, res.decode_tokens) * 1e3
     ids = torch.tensor([[prompt[-1]]], device=device)
-    pos = torch.tensor([prompt_len], device=device)
+    pos = runner.step_pos[1].fill_(prompt_len)
     with torch.no_grad():
         step = cuda_kernels(lambda: runner._captured_step(ids, pos, False, True), device)
         kernels, detail = len(step), kernel_breakdown(step) if breakdown else None
@@ -184,14 +186,16 @@ def replay_ms(graph, device, reps: int = 200) -> float:
     return (time.perf_counter() - t0) / reps * 1e3
 
 
-def measure_dflash(target: str, drafter_dir: str, new: int, prompt_len: int, device, breakdown: bool = False) -> dict:
+def measure_dflash(target: str, drafter_dir: str, attention: str, new: int, prompt_len: int, device,
+                   breakdown: bool = False) -> dict:
     """The compiled DFlash step's pieces (as the evaluation builds them), each alone, and the loop's step."""
     from dflashpipe.decode.speculative import DFlashDecoder, drafter_runner, target_runner
     from dflashpipe.drafter.export import load_drafter
 
     model = load_target(target, device)
     drafter, dcfg = load_drafter(drafter_dir, device=device, dtype=torch.bfloat16)
-    verify = target_runner(model, "compiled", dcfg.target_layer_ids, 1024, graph_sizes=(dcfg.num_drafts + 1,))
+    verify = target_runner(model, "compiled", dcfg.target_layer_ids, 1024, graph_sizes=(dcfg.num_drafts + 1,),
+                           attention=attention)
     draft = drafter_runner(drafter, verify, "compiled", 1024)
     dec = DFlashDecoder(model, drafter, dcfg, eos_ids=[], runner=verify, draft_runner=draft)
     prompt = torch.randint(100, 1000, (prompt_len,)).tolist()
@@ -203,12 +207,13 @@ def measure_dflash(target: str, drafter_dir: str, new: int, prompt_len: int, dev
               "verify": verify._graphs[(dcfg.num_drafts + 1, True)][0]}
     e = verify._graphs[(dcfg.num_drafts + 1, True)]
     fns = {"draft": draft._pieces["propose"], "extend": draft._pieces["extend"],
-           "verify": lambda: verify._captured_step(e[1], e[2], True, False)}
+           "verify": lambda: verify._captured_step(e[1], verify.step_pos[dcfg.num_drafts + 1], True, False)}
     with torch.no_grad():
         listed = {name: cuda_kernels(fn, device) for name, fn in fns.items()}
     kernels = {name: len(ks) for name, ks in listed.items()}
     detail = {name: kernel_breakdown(ks) for name, ks in listed.items()} if breakdown else None
-    out = {"arch": dcfg.arch, "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(), "block_size": dcfg.block_size,
+    out = {"arch": dcfg.arch, "mode": verify.mode, "draft_mode": draft.mode,
+           "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(), "block_size": dcfg.block_size,
            "num_drafts": dcfg.num_drafts, "setup_s": setup_s,
            "step_ms": res.decode_s / max(1, res.verify_steps) * 1e3, "steps": res.verify_steps,
            "tau": res.tau, "tokens": res.decode_tokens}
@@ -229,7 +234,7 @@ def main() -> int:
     ap.add_argument("--drafter", help="an exported drafter for this target, or 'random': split the DFlash step too")
     ap.add_argument("--config", default=str(REPO / "config" / "smollm2.yaml"), help="--drafter random: its drafter section")
     ap.add_argument("--modes", choices=("all", "eval"), default="all",
-                    help="eval: only the evaluation's (compiled, cuDNN attention off)")
+                    help="eval: only the evaluation's (compiled, flex attention, cuDNN attention off)")
     ap.add_argument("--inductor", default="", help="torch._inductor.config settings for every compile: k=v,...")
     ap.add_argument("--kernels", action="store_true", help="each step's kernels by kind, and its slowest")
     ap.add_argument("--out")
@@ -247,12 +252,14 @@ def main() -> int:
     cudnn_default = torch.backends.cuda.cudnn_sdp_enabled()
     out = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "node_us": node_us,
            "copy_bytes_per_s": bw, "inductor": a.inductor, "modes": [], "dflash_steps": []}
-    # captured as is; compiled; compiled with cuDNN attention off (the evaluation's setting)
-    settings = ((False, cudnn_default), (True, cudnn_default), (True, False)) if a.modes == "all" else ((True, False),)
-    for compile, cudnn in settings:
+    # (compile, cuDNN attention, attention): captured as is; compiled with SDPA, cuDNN on and off; compiled
+    # with flex_attention (the evaluation's setting)
+    settings = (((False, cudnn_default, "sdpa"), (True, cudnn_default, "sdpa"), (True, False, "sdpa"), (True, False, "flex"))
+                if a.modes == "all" else ((True, False, "flex"),))
+    for compile, cudnn, attention in settings:
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
         torch._dynamo.reset()  # Dynamo does not guard on the backend flags: trace each setting afresh
-        r = measure(a.target, compile, a.new, a.prompt_len, device, a.kernels)
+        r = measure(a.target, compile, attention, a.new, a.prompt_len, device, a.kernels)
         r["floor_ms"] = r["kernels"] * node_us / 1e3
         r["memory_bound_ms"] = r["weight_bytes"] / bw * 1e3
         out["modes"].append(r)
@@ -260,9 +267,9 @@ def main() -> int:
               f"{r['graph_ms']:.3f} ms, AR loop {r['loop_ms']:.3f} ms/token; floor {r['kernels']} x {node_us:.2f} us = "
               f"{r['floor_ms']:.3f} ms; memory-bound {r['memory_bound_ms']:.3f} ms; setup {r['setup_s']:.1f} s", flush=True)
         if compile and a.drafter:
-            d = measure_dflash(a.target, a.drafter, a.new, a.prompt_len, device, a.kernels)
+            d = measure_dflash(a.target, a.drafter, attention, a.new, a.prompt_len, device, a.kernels)
             out["dflash_steps"].append(d)
-            print(f"DFlash step ({d['arch']}, {d['num_drafts']} drafts), compiled, cuDNN attention "
+            print(f"DFlash step ({d['arch']}, {d['num_drafts']} drafts), {d['mode']}, cuDNN attention "
                   f"{'on' if cudnn else 'off'}: {d['step_ms']:.3f} ms = {d['step_ms'] / r['loop_ms']:.2f} AR tokens "
                   f"({r['loop_ms']:.3f} ms); draft {d['draft_kernels']} kernels {d['draft_ms']:.3f} ms, verify "
                   f"{d['verify_kernels']} kernels {d['verify_ms']:.3f} ms, extend {d['extend_kernels']} kernels "

@@ -29,9 +29,10 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHO
 cd "$(dirname "$0")/.."
 mkdir -p "$WORK"
 # the workflow's attention (auto: compiled flex_attention on a GPU, 1.6x SDPA's step at these shapes:
-# benchmarks/results/smollm2_train_step_h200/); ATTENTION=sdpa for the uncompiled path of the earlier runs
+# benchmarks/results/smollm2_train_step_h200/); ATTENTION=sdpa for the uncompiled path of the earlier runs;
+# EVAL_ATTENTION=sdpa: the evaluation's compiled steps attend with SDPA, as before flex (evaluate.attention)
 R=(python3 benchmarks/recipes.py --config "${CONFIG:-config/smollm2.yaml}" --target "$TARGET" --data "$DATA"
-   ${ATTENTION:+--set train.attention=$ATTENTION})
+   ${ATTENTION:+--set train.attention=$ATTENTION} ${EVAL_ATTENTION:+--set evaluate.attention=$EVAL_ATTENTION})
 # runs that share the GPU compile each into a cache of its own (no two processes writing one cache),
 # with COMPILE_THREADS inductor workers each (default 2: nine runs' workers on the box's 16 cores)
 own_cache() {

@@ -178,7 +178,8 @@ def evaluate_one(cfg: dict, target: str, drafter: Path, prompts: dict, run: Path
 
     ev = cfg["evaluate"]
     settings = EvalSettings(max_new_tokens=ev["max_new_tokens"], temperature=0.0, num_prompts=ev["num_prompts"],
-                            methods=list(methods), lossless="report", target_step=ev["target_step"], seed=cfg["seed"],
+                            methods=list(methods), lossless="report", target_step=ev["target_step"],
+                            attention=ev["attention"], seed=cfg["seed"],
                             chat_template_kwargs=cfg["expand"]["chat_template_kwargs"])
     out = {}
     for name, spec in cfg["datasets"].items():

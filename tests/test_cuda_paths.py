@@ -77,6 +77,32 @@ def test_captured_target_and_drafter_steps_decode_like_the_eager_loop():
         assert len(set(accepted)) > 1  # drafts were accepted and rejected: rollback exercised
 
 
+def test_flex_steps_read_only_their_live_key_blocks_and_decode_like_the_eager_loop():
+    """The compiled steps' flex attention (float32: flex has no float64): the target's AR and verify steps and
+    the drafter's draft give the eager loops' tokens, with every cache position past the second key block NaN,
+    so a read of one (a live-block count too high) would poison the reply, and one too low would hide context."""
+    import math
+
+    from dflashpipe.decode.speculative import ARDecoder, DFlashDecoder, TargetRunner, drafter_runner, target_runner
+    from dflashpipe.decode.static_target import KV_BLOCK
+
+    target, drafter, dcfg = _models()
+    target, drafter = target.float(), drafter.float()
+    ends, capacity = [7], 4 * KV_BLOCK
+    step = target_runner(target, "compiled", None, capacity, graph_sizes=(1,))
+    verify = target_runner(target, "compiled", dcfg.target_layer_ids, capacity, graph_sizes=(BS,))
+    draft = drafter_runner(drafter, verify, "compiled", capacity)
+    assert step.mode.endswith("+flex") and verify.mode.endswith("+flex") and draft.mode.endswith("+flex")
+    ar = ARDecoder(target, ends, runner=step)
+    dflash = DFlashDecoder(target, drafter, dcfg, ends, runner=verify, draft_runner=draft)
+    for prompt in _prompts(target.config.vocab_size, (150, 5, 120, 200)):  # one key block, or two
+        a_ref = ARDecoder(target, ends, runner=TargetRunner(target)).generate(prompt, 30)
+        d_ref = DFlashDecoder(target, drafter, dcfg, ends).generate(prompt, 30)
+        a, d = ar.generate(prompt, 30), dflash.generate(prompt, 30)
+        assert a.tokens == a_ref.tokens == d.tokens == d_ref.tokens, len(prompt)
+        print(len(prompt), "accepted", d.accepted, "eager", d_ref.accepted)
+
+
 def test_batched_decoder_graphs_decode_like_transformers():
     """Dense attention in float64; flex (the GPU default) in float32 (flex has no float64), eager and
     compiled, with every cache position outside the live blocks NaN, so a read of one would poison the reply."""

@@ -9,6 +9,7 @@ from dflashpipe.jobs.settings import on_server, schema_enum
 
 def _twins():
     from dflashpipe.decode.speculative import TARGET_STEPS
+    from dflashpipe.decode.static_target import ATTENTION
     from dflashpipe.drafter.export import ARCHITECTURES
     from dflashpipe.drafter.model import ARCHS, COMPILE_MODES, LAYER_TYPES
     from dflashpipe.inputs.data import CHAT_FORMATS
@@ -18,6 +19,7 @@ def _twins():
     return {
         "datasets.*.format": CHAT_FORMATS,
         "evaluate.target_step": TARGET_STEPS,
+        "evaluate.attention": ATTENTION,
         "drafter.arch": ARCHS,
         "train.compile": COMPILE_MODES,
         "drafter.layer_types": LAYER_TYPES,

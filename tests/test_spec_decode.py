@@ -370,21 +370,25 @@ def test_evaluate_skips_unusable_prompts_and_keeps_a_failed_check(micro, micro_t
         run.evaluate_dataset(EvalRun(EvalSettings(max_new_tokens=6, methods=["dflash", "ar"]), *args), log=lambda m: None)
 
 
-@pytest.mark.parametrize("which", ["micro", "sharp", "sharp_dspark"])
-def test_static_target_step_decodes_what_the_dynamic_one_does(which, request):
+@pytest.mark.parametrize("which,attention", [("micro", "auto"), ("sharp", "auto"), ("sharp_dspark", "auto"),
+                                             ("sharp", "flex"), ("sharp_dspark", "flex")])
+def test_static_target_step_decodes_what_the_dynamic_one_does(which, attention, request):
     """The static-KV target step (CUDA graphs on a GPU; uncaptured here; its layers written out with
     fused projections) gives the same greedy tokens, the same accepted drafts per verify step, and
-    the same logits as HF with a DynamicCache."""
+    the same logits as HF with a DynamicCache; also with the compiled steps' flex attention (its live
+    key blocks and masks; eager here) in the target's steps of 1 and D+1 tokens and the drafter's."""
     from dflashpipe.decode.speculative import TargetRunner, drafter_runner, target_runner
     from dflashpipe.decode.static_target import StaticTargetRunner
 
     target, tok, drafter, cfg = request.getfixturevalue(which)
     eos = eos_ids_of(tok, target)
-    static = StaticTargetRunner(target, cfg.target_layer_ids, capacity=256, graph_sizes=(1, cfg.num_drafts + 1))
+    static = StaticTargetRunner(target, cfg.target_layer_ids, capacity=256, graph_sizes=(1, cfg.num_drafts + 1),
+                                attention=attention)
     draft = drafter_runner(drafter, static, "auto", capacity=256)  # one cache each, reused for every prompt
-    assert draft.mode == "static" and drafter_runner(drafter, TargetRunner(target)).mode == "eager"
+    flex = "+flex" if attention == "flex" else ""  # auto: flex only when compiled
+    assert draft.mode == "static" + flex and drafter_runner(drafter, TargetRunner(target)).mode == "eager"
     # a Qwen3: its layers written out with q/k/v and gate/up fused (dflashpipe.decode.layer)
-    assert static.mode == "static+fused" and target_runner(target, "auto").mode == "dynamic"  # auto: compiled only on a GPU
+    assert static.mode == "static+fused" + flex and target_runner(target, "auto").mode == "dynamic"  # auto: compiled only on a GPU
     assert target_runner(target, "static").mode == target_runner(target, "compiled").mode == "static+fused"  # no graphs: no compile
     ids = encode(tok, PROMPTS["p-apples"])
     ref_logits, ref_feats = TargetRunner(target, cfg.target_layer_ids).forward(
@@ -393,7 +397,7 @@ def test_static_target_step_decodes_what_the_dynamic_one_does(which, request):
     tol = dict(atol=1e-4, rtol=1e-4) if which == "micro" else dict(atol=1e-9, rtol=1e-9)
     torch.testing.assert_close(logits, ref_logits, **tol)
     torch.testing.assert_close(feats, ref_feats, **tol)
-    ar_static = ARDecoder(target, eos, runner=StaticTargetRunner(target, capacity=256))  # reused for every prompt
+    ar_static = ARDecoder(target, eos, runner=StaticTargetRunner(target, capacity=256, attention=attention))  # reused
     for p in PROMPTS.values():
         prompt = encode(tok, p)
         a_dyn = ARDecoder(target, eos).generate(prompt, 24)
@@ -404,10 +408,11 @@ def test_static_target_step_decodes_what_the_dynamic_one_does(which, request):
         assert d_sta.tokens == d_dyn.tokens == a_dyn.tokens and d_sta.accepted == d_dyn.accepted
 
 
-@pytest.mark.parametrize("which", ["sharp", "sharp_dspark"])
-def test_static_drafter_hides_rejected_positions_like_the_growing_cache(which, request):
+@pytest.mark.parametrize("which,attention", [("sharp", "sdpa"), ("sharp_dspark", "sdpa"), ("sharp", "flex")])
+def test_static_drafter_hides_rejected_positions_like_the_growing_cache(which, attention, request):
     """Blocks verified with 1..D+1 kept positions: the static drafter (whole verified block written, the
-    rejected tail hidden, then overwritten) drafts exactly what the eager drafter with its growing cache drafts."""
+    rejected tail hidden, then overwritten) drafts exactly what the eager drafter with its growing cache drafts;
+    also with the compiled pieces' flex attention (eager here): the context's live blocks past the first."""
     from dflashpipe.decode.speculative import DrafterRunner
     from dflashpipe.decode.static_drafter import StaticDrafterRunner
 
@@ -422,14 +427,14 @@ def test_static_drafter_hides_rejected_positions_like_the_growing_cache(which, r
                 p.mul_(50.0)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     eager = DrafterRunner(drafter, embed, head, cfg.mask_token_id)
-    static = StaticDrafterRunner(drafter, embed, head, cfg.mask_token_id, capacity=64)
+    static = StaticDrafterRunner(drafter, embed, head, cfg.mask_token_id, capacity=256, attention=attention)
     caches = eager.new_cache(), static.new_cache()
     g = torch.Generator().manual_seed(0)
     width = len(cfg.target_layer_ids) * cfg.hidden_size
-    prompt = torch.randn(1, 7, width, generator=g, dtype=torch.float64)
+    prompt = torch.randn(1, 125, width, generator=g, dtype=torch.float64)  # blocks from the second key block on
     for runner, cache in zip((eager, static), caches):
-        runner.extend(cache, prompt, 0, 7)
-    n, drafts = 8, set()
+        runner.extend(cache, prompt, 0, 125)
+    n, drafts = 126, set()
     for keep in (1, verified, 2, 3, 1, verified):
         last = torch.randint(5, target.config.vocab_size, (1, 1), generator=g)
         a, b = (runner.propose(cache, n, last) for runner, cache in zip((eager, static), caches))

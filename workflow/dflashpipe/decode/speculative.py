@@ -386,8 +386,10 @@ class DFlashDecoder:
 TARGET_STEPS = ("auto", "compiled", "static", "dynamic")
 
 
-def target_runner(model, step: str = "auto", layer_ids=None, capacity: int = 2048, graph_sizes=(1,)):
-    """The target wrapper both decoders use; its ``mode`` says which ran (recorded in eval summaries)."""
+def target_runner(model, step: str = "auto", layer_ids=None, capacity: int = 2048, graph_sizes=(1,),
+                  attention: str = "auto"):
+    """The target wrapper both decoders use; its ``mode`` says which ran (recorded in eval summaries).
+    ``attention``: the static steps' (:data:`~dflashpipe.decode.static_target.ATTENTION`; auto: flex when compiled)."""
     from .static_target import StaticTargetRunner, supports_static
 
     if step not in TARGET_STEPS:
@@ -399,12 +401,12 @@ def target_runner(model, step: str = "auto", layer_ids=None, capacity: int = 204
     if step == "dynamic" or (step == "auto" and (why or not cuda)):
         return TargetRunner(model, layer_ids)
     return StaticTargetRunner(model, layer_ids, capacity=capacity, graph_sizes=graph_sizes,
-                              compile=step in ("auto", "compiled"))
+                              compile=step in ("auto", "compiled"), attention=attention)
 
 
 def drafter_runner(drafter, target_runner_, step: str = "auto", capacity: int = 2048):
     """The drafter's side to go with a target runner: static (CUDA graphs on a GPU) when the target's is,
-    compiled when the target's steps are."""
+    compiled when the target's steps are, attending as they do."""
     from .static_drafter import StaticDrafterRunner
 
     mask_id = drafter.cfg.mask_token_id
@@ -412,7 +414,8 @@ def drafter_runner(drafter, target_runner_, step: str = "auto", capacity: int = 
         return DrafterRunner(drafter, target_runner_.embed, target_runner_.lm_head, mask_id)
     return StaticDrafterRunner(drafter, target_runner_.embed, target_runner_.lm_head, mask_id, capacity,
                                cuda_graphs=getattr(target_runner_, "cuda_graphs", None),
-                               compile=getattr(target_runner_, "compiled", False))
+                               compile=getattr(target_runner_, "compiled", False),
+                               attention=getattr(target_runner_, "attention", "sdpa"))
 
 
 def dflash_generate(target_model, drafter, drafter_cfg, prompt_ids, max_new_tokens, temperature=0.0, seed=0, eos_ids=None) -> DecodeResult:

@@ -19,15 +19,18 @@ the captured verify. Here both are captured once:
 interface (``new_cache``, ``extend``, ``propose``). The prompt's context (variable
 length) is written uncaptured. On the CPU nothing is captured. With ``compile`` (the
 target's steps compiled: ``evaluate.target_step`` auto or compiled on a GPU) both pieces
-are compiled before their capture.
+are compiled before their capture, and the draft attends as the target's steps do: with
+``flex_attention`` (its decoding kernel, the live context blocks and the block's own keys) when
+they do (:func:`~dflashpipe.decode.static_target.flex_attention_for`) and no layer has a sliding window.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dflashpipe.decode.cuda_graph import capture
+from dflashpipe.decode.cuda_graph import capture, round_capacity
 from dflashpipe.decode.layer import fuse_projections
+from dflashpipe.decode.static_target import KV_BLOCK, flex_attention_for, live_block_mask
 
 
 def block_masks(drafter, ctx_visible: torch.Tensor, pos: torch.Tensor, ctx_pos: torch.Tensor,
@@ -48,14 +51,21 @@ def block_masks(drafter, ctx_visible: torch.Tensor, pos: torch.Tensor, ctx_pos: 
 
 class StaticDrafterRunner:
     def __init__(self, drafter, embed, lm_head, mask_token_id: int, capacity: int, cuda_graphs: bool | None = None,
-                 compile: bool = False):
+                 compile: bool = False, attention: str = "auto"):
         self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
         fuse_projections(None, layers=drafter.layers)  # q/k/v and gate/up as one matmul each, as the target's
         cfg = drafter.cfg
-        self.bs, self.capacity = int(cfg.block_size), int(capacity)
-        self.verified = cfg.num_drafts + 1  # positions of a verify: the anchor and the drafts
         self.device = next(drafter.parameters()).device
         self.dtype = next(drafter.parameters()).dtype
+        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
+        compile = compile and self.cuda_graphs
+        # flex only for full-attention layers: a sliding window's mask reads the query's row, which flex's decoding
+        # kernel got wrong for the target's verify (static_target._layer)
+        windows = {cfg.window_of(i) for i in range(len(drafter.layers))}
+        self.flex = flex_attention_for(compile, self.dtype, attention) and windows == {None}
+        self.bs = int(cfg.block_size)
+        self.capacity = round_capacity(capacity, KV_BLOCK) if self.flex else int(capacity)
+        self.verified = cfg.num_drafts + 1  # positions of a verify: the anchor and the drafts
         shape = (1, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
         self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in drafter.layers]
         self.v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in drafter.layers]
@@ -67,15 +77,28 @@ class StaticDrafterRunner:
                                  dtype=self.dtype)
         self.mask_ids = torch.full((1, self.bs - 1), int(mask_token_id), dtype=torch.long, device=self.device)
         self.block_visible = torch.ones((1, 1, self.bs, self.bs), dtype=torch.bool, device=self.device)
-        self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
+        self._live = torch.ones((1, 1, 1), dtype=torch.int32, device=self.device)  # the flex mask's blocks read
+        self._flex_masks = {None: self._flex_mask()} if self.flex else {}
         self._graphs: dict[str, tuple] = {}
         # compile (with the graphs only, as the target's steps): Inductor fuses the drafter's norms, RoPE,
         # SwiGLU and the selector's elementwise work before each piece is captured
-        compile = compile and self.cuda_graphs
         self._pieces = {"propose": self._propose_block, "extend": self._extend_block}
         if compile:
             self._pieces = {name: torch.compile(fn, dynamic=False) for name, fn in self._pieces.items()}
-        self.mode = ("static+cuda_graphs" if self.cuda_graphs else "static") + ("+compiled" if compile else "")
+        self.mode = (("static+cuda_graphs" if self.cuda_graphs else "static") + ("+compiled" if compile else "")
+                     + ("+flex" if self.flex else ""))
+
+    def _flex_mask(self):
+        """The draft's BlockMask over the keys [context (capacity), block (bs)]: the context positions < valid, the
+        block whole. It reads the block's key block first, then the context's live ones (``_live`` counts both)."""
+        valid, C = self.valid, self.capacity
+
+        def seen(b, h, q_idx, kv_idx):
+            return (kv_idx < valid) | (kv_idx >= C)
+
+        blocks = C // KV_BLOCK
+        order = torch.cat([torch.tensor([blocks]), torch.arange(blocks)]).to(self.device, torch.int32)
+        return live_block_mask(self._live, order, seen, self.bs, C + self.bs)
 
     # -- the two pieces ---------------------------------------------------------------
 
@@ -96,8 +119,12 @@ class StaticDrafterRunner:
         h = self.embed(block).to(self.dtype)
         pos = (self.start + torch.arange(self.bs, device=self.device)).unsqueeze(0)
         cos, sin = self.drafter._rope(pos, h.dtype)
-        ctx_visible = (self.ctx_pos < self.valid).view(1, 1, 1, -1).expand(1, 1, self.bs, self.capacity)
-        masks = block_masks(self.drafter, ctx_visible, pos, self.ctx_pos, self.block_visible)  # [1, 1, bs, C + bs]
+        if self.flex:  # the block's key block and the context's up to valid's
+            self._live.copy_((1 + (self.valid + KV_BLOCK - 1) // KV_BLOCK).view(1, 1, 1))
+            masks = self._flex_masks
+        else:
+            ctx_visible = (self.ctx_pos < self.valid).view(1, 1, 1, -1).expand(1, 1, self.bs, self.capacity)
+            masks = block_masks(self.drafter, ctx_visible, pos, self.ctx_pos, self.block_visible)  # [1, 1, bs, C + bs]
         for i, layer in enumerate(self.drafter.layers):
             h = layer(h, self.k[i], self.v[i], cos, sin, masks[self.drafter.cfg.window_of(i)])
         hidden = self.drafter.norm(h)

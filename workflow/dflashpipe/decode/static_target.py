@@ -10,7 +10,12 @@ times the weights' read time (docs/decoding.md). Here:
   read and need no cropping: the next step overwrites them;
 * the step for a fixed number of new tokens (1 for AR decoding, ``block_size``
   for a DFlash verify) is captured once as a CUDA graph and replayed, so a step
-  costs one launch.
+  costs one launch;
+* compiled, those steps attend with ``flex_attention`` (``attention="flex"``, the default
+  with ``compile``) over the cache's live blocks only (positions up to the step's last); one
+  token runs its decoding kernel, which splits the keys over the GPU's cores. SDPA's kernels at
+  batch 1 split no keys, and with cuDNN's off (as the evaluation runs) none takes a mask with
+  grouped heads: Inductor then writes it out in float32 (measured: docs/real-target.md).
 
 The layers are the model's own modules: Llama, Qwen2 and Qwen3 layers are written out
 (:mod:`.layer`) with their q/k/v and gate/up projections fused into one matmul each (the
@@ -33,8 +38,9 @@ import inspect
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
-from dflashpipe.decode.cuda_graph import capture
+from dflashpipe.decode.cuda_graph import capture, round_capacity
 from dflashpipe.decode.layer import (
     attention_dims,
     attention_inputs,
@@ -43,6 +49,30 @@ from dflashpipe.decode.layer import (
     written_out_reason,
 )
 from dflashpipe.drafter.features import has_standard_layout, layer_types_of
+
+#: attention of the captured steps ("auto": flex when they are compiled, SDPA otherwise)
+ATTENTION = ("auto", "flex", "sdpa")
+#: positions per key block of the flex path (a static cache's capacity is a multiple of it)
+KV_BLOCK = 128
+
+
+def flex_attention_for(compiled: bool, dtype, attention: str = "auto") -> bool:
+    """Whether captured steps attend with flex_attention: ``auto`` when compiled (eager flex writes the
+    scores out) and the dtype is one flex has (not float64); ``flex`` / ``sdpa`` as said."""
+    if attention not in ATTENTION:
+        raise ValueError(f"static decoding: attention {attention!r} (one of {', '.join(ATTENTION)})")
+    if attention == "auto":
+        return compiled and dtype != torch.float64
+    return attention == "flex"
+
+
+def live_block_mask(live: torch.Tensor, order: torch.Tensor, mask_mod, q_len: int, kv_len: int):
+    """A flex BlockMask reading the key blocks ``order[:live]`` (``live`` int32 [1, 1, 1], updated in place by the
+    step, ``order`` [blocks]), every one through ``mask_mod``: one object for every step of a captured graph."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return BlockMask.from_kv_blocks(live, order.view(1, 1, 1, -1).contiguous(), BLOCK_SIZE=(KV_BLOCK, KV_BLOCK),
+                                    mask_mod=mask_mod, seq_lengths=(q_len, kv_len), compute_q_blocks=False)
 
 
 class StaticKV:
@@ -85,11 +115,12 @@ class StaticTargetRunner:
     """An HF causal LM with a static KV cache; steps of ``graph_sizes`` tokens captured as CUDA graphs.
 
     ``fused``: a Llama-layout model's layers run written out with fused projections (:mod:`.layer`);
-    False runs HF's layer modules (the comparison in ``benchmarks/decode_speed.py``)."""
+    False runs HF's layer modules (the comparison in ``benchmarks/decode_speed.py``). ``attention``
+    (one of :data:`ATTENTION`): how the steps of ``graph_sizes`` tokens attend (the prefill: SDPA)."""
 
     def __init__(self, model, layer_ids: list[int] | None = None, capacity: int = 2048,
                  graph_sizes: tuple[int, ...] = (1,), cuda_graphs: bool | None = None, compile: bool = False,
-                 fused: bool = True):
+                 fused: bool = True, attention: str = "auto"):
         why = supports_static(model)
         if why:
             raise ValueError(f"static target step: {why}")
@@ -103,26 +134,42 @@ class StaticTargetRunner:
         self.cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
         self.last_layer = int(self.inner.config.num_hidden_layers) - 1
         dtype = next(model.parameters()).dtype
-        self.cache = StaticKV(model, capacity, self.device, dtype)
-        # the Llama-layout models' layers written out with their projections fused (fewer, larger
-        # matmuls: :mod:`.layer`); other layouts run HF's layer modules on the same cache
-        self.written_out = fused and written_out_reason(model) is None
-        if self.written_out:
-            fuse_projections(model)
-        self.key_pos = torch.arange(self.cache.capacity, device=self.device)
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
-        self.graph_sizes = tuple(sorted(set(int(t) for t in graph_sizes)))
-        self._graphs: dict[tuple[int, bool], list] = {}  # (T, features) -> [graph, ids, pos, outputs]
         # compile: Inductor fuses each layer's norms, RoPE and SwiGLU before the capture (fewer, larger kernels);
         # only for the captured steps (uncaptured calls have varying lengths: the prefill, and the CPU)
         self.compiled = compile = compile and self.cuda_graphs
+        # the Llama-layout models' layers written out with their projections fused (fewer, larger
+        # matmuls: :mod:`.layer`); other layouts run HF's layer modules on the same cache
+        self.written_out = fused and written_out_reason(model) is None
+        self.attention = "flex" if self.written_out and flex_attention_for(compile, dtype, attention) else "sdpa"
+        self.cache = StaticKV(model, round_capacity(capacity, KV_BLOCK) if self.attention == "flex" else capacity,
+                              self.device, dtype)
+        if self.written_out:
+            fuse_projections(model)
+        self.key_pos = torch.arange(self.cache.capacity, device=self.device)
+        self.graph_sizes = tuple(sorted(set(int(t) for t in graph_sizes)))
+        # the positions of each step size's tokens: one buffer per size, which its graphs (and flex mask) read
+        self.step_pos = {t: torch.zeros(t, dtype=torch.long, device=self.device) for t in self.graph_sizes}
+        self._graphs: dict[tuple[int, bool], list] = {}  # (T, features) -> [graph, ids, outputs]
+        self._flex = {t: self._flex_mask(t) for t in self.graph_sizes} if self.attention == "flex" else {}
         self._captured_step = torch.compile(self._step, dynamic=False) if compile else self._step
         if compile:  # room for a frame per layer should a model's HF layers break the graph (guarded on its
             # index); the written-out layers and Qwen3's HF layers (torch 2.11, transformers 5.17) trace as one graph
             n = len(self.inner.layers)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * n + 8)
         self.mode = (("static+cuda_graphs" if self.cuda_graphs else "static") + ("+compiled" if compile else "")
-                     + ("+fused" if self.written_out else ""))
+                     + ("+fused" if self.written_out else "") + ("+flex" if self.attention == "flex" else ""))
+
+    def _flex_mask(self, T: int):
+        """(live blocks [1, 1, 1], BlockMask) of the T-token step: key j seen by query i iff j <= its position."""
+        pos = self.step_pos[T]
+        live = torch.ones((1, 1, 1), dtype=torch.int32, device=self.device)
+        order = torch.arange(self.cache.capacity // KV_BLOCK, dtype=torch.int32, device=self.device)
+
+        def up_to_own_position(b, h, q_idx, kv_idx):
+            return kv_idx <= pos[q_idx]
+
+        return live, live_block_mask(live, order, up_to_own_position, T, self.cache.capacity)
 
     # -- the step ------------------------------------------------------------
 
@@ -131,9 +178,13 @@ class StaticTargetRunner:
         x = self.embed(ids)
         position_ids = pos.unsqueeze(0)
         pe = self.inner.rotary_emb(x, position_ids)
-        visible = self.key_pos.unsqueeze(0) <= pos.unsqueeze(1)  # [T, capacity]
-        # additive, in the activations' dtype: right for every attention implementation (sdpa, eager)
-        mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))[None, None]
+        flex = self._flex.get(ids.shape[1])  # pos is then step_pos[T], which its mask reads
+        if flex:  # the blocks up to the last position's
+            live, mask = flex
+            live.copy_((pos[-1:] // KV_BLOCK + 1).view(1, 1, 1))
+        else:  # additive, in the activations' dtype: right for every attention implementation (sdpa, eager)
+            visible = self.key_pos.unsqueeze(0) <= pos.unsqueeze(1)  # [T, capacity]
+            mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))[None, None]
         self.cache.pos = pos
         wanted, feats = set(self.layer_ids) if features else set(), {}
         for i, layer in enumerate(self.inner.layers):
@@ -154,8 +205,14 @@ class StaticTargetRunner:
         c = self.cache
         q, k, v = attention_inputs(layer, layer.input_layernorm(x), *pe, c.n_heads, c.n_kv, c.head_dim)
         k, v = c.update(k, v, i)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.self_attn.scaling,
-                                           enable_gqa=c.n_kv != c.n_heads)
+        if isinstance(mask, torch.Tensor):
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.self_attn.scaling,
+                                               enable_gqa=c.n_kv != c.n_heads)
+        else:  # the flex path's BlockMask. A verify (T > 1) runs flex's main kernel: its decoding kernel, with grouped
+            # query heads and this mask (which reads the query's row), decoded other tokens than the eager loop
+            # (torch 2.11 on an H200: benchmarks/results/smollm2_h200_s19/); one token, and the drafter's mask, it decodes right
+            o = flex_attention(q, k, v, block_mask=mask, scale=layer.self_attn.scaling, enable_gqa=c.n_kv != c.n_heads,
+                               kernel_options={"FORCE_USE_FLEX_ATTENTION": True} if q.shape[2] > 1 else None)
         return finish_layer(layer, x, o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
     def _replay(self, ids: torch.Tensor, start: int, features: bool):
@@ -167,16 +224,15 @@ class StaticTargetRunner:
         T, key = ids.shape[1], (ids.shape[1], features)
         new = key not in self._graphs
         if new:
-            self._graphs[key] = [None, torch.zeros((1, T), dtype=torch.long, device=self.device),
-                                 torch.zeros(T, dtype=torch.long, device=self.device), None]
-        entry = self._graphs[key]
+            self._graphs[key] = [None, torch.zeros((1, T), dtype=torch.long, device=self.device), None]
+        entry, pos = self._graphs[key], self.step_pos[T]
         entry[1].copy_(ids)
-        entry[2].copy_(torch.arange(start, start + T, device=self.device))
+        pos.copy_(torch.arange(start, start + T, device=self.device))
         if new:
-            entry[0], entry[3] = capture(lambda: self._captured_step(entry[1], entry[2], features, last_only=False),
+            entry[0], entry[2] = capture(lambda: self._captured_step(entry[1], pos, features, last_only=False),
                                          self.device, warmups=3)
         entry[0].replay()
-        return entry[3]
+        return entry[2]
 
     # -- TargetRunner's interface ------------------------------------------------
 
@@ -195,4 +251,6 @@ class StaticTargetRunner:
             logits, feats = self._replay(ids, start, features)
             return (logits[-1:] if last_only else logits), feats
         pos = torch.arange(start, start + T, device=self.device)
+        if T in self._flex:  # uncaptured (the CPU's tests): the step's own positions, which its mask reads
+            pos = self.step_pos[T].copy_(pos)
         return self._step(ids, pos, features, last_only)

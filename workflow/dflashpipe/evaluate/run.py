@@ -226,10 +226,12 @@ def _harness(run: EvalRun, dev: torch.device, laps: Laps, log) -> tuple[Harness,
     # rounded up to EVAL_CAPACITY_STEP positions (see there)
     need = max(len(e) for e in prompts[1]) + s.max_new_tokens + 2 * dcfg.block_size
     capacity = round_capacity(need, EVAL_CAPACITY_STEP)
-    verify = target_runner(target, s.target_step, dcfg.target_layer_ids, capacity, graph_sizes=(dcfg.num_drafts + 1,))
+    verify = target_runner(target, s.target_step, dcfg.target_layer_ids, capacity, graph_sizes=(dcfg.num_drafts + 1,),
+                           attention=s.attention)
     dflash = DFlashDecoder(target, drafter, dcfg, eos, runner=verify,
                            draft_runner=drafter_runner(drafter, verify, s.target_step, capacity))
-    ar_dec = ARDecoder(target, eos, runner=target_runner(target, s.target_step, None, capacity, graph_sizes=(1,)))
+    ar_dec = ARDecoder(target, eos, runner=target_runner(target, s.target_step, None, capacity, graph_sizes=(1,),
+                                                         attention=s.attention))
     harness = Harness(settings=s, target=target, tokenizer=tok, eos=eos, drafter_dir=run.drafter_dir, drafter_cfg=dcfg,
                       ar_draft_dir=run.ar_draft_dir, device=dev, dtype=dtype, dflash=dflash, ar=ar_dec)
     laps.lap("static steps")

@@ -31,7 +31,8 @@ class EvalSettings:
     ``"report"`` (as ties, but never fails). ``target_step``: how the DFlash and AR loops run the
     target (:data:`dflashpipe.decode.speculative.TARGET_STEPS`): ``auto`` = a static KV cache with
     CUDA-graph-captured steps on a GPU where the model's layout allows it, HF's ``DynamicCache``
-    otherwise; recorded in the summary.
+    otherwise; recorded in the summary. ``attention``: how the static steps attend
+    (:data:`dflashpipe.decode.static_target.ATTENTION`; auto: flex_attention when compiled).
 
     ``seed`` (the config's top-level one: prompt i samples with ``seed + i``) and
     ``chat_template_kwargs`` (``expand.chat_template_kwargs``: a drafter trained with thinking
@@ -54,6 +55,7 @@ class EvalSettings:
     prompt_lookup_num_tokens: int
     lossless: str
     target_step: str
+    attention: str
     # from other sections of the config: the top-level seed (default: the schema's), and
     # expand.chat_template_kwargs (passed by name; the decorator takes defaults of `evaluate` keys only)
     seed: int
