@@ -102,6 +102,12 @@ def test_the_plot_labels_every_method(tmp_path, monkeypatch):
     plots.tau_speedup(str(tmp_path / "eval.csv"), str(tmp_path / "tau.png"), Pipeline.method_labels())
     (legend,) = figures[0].legends
     assert [t.get_text() for t in legend.get_texts()] == [m.label for m in METHODS]
+    # DFlash's simulated tau from training: its marker carries its value, beside the bars' own labels
+    next(r for r in rows if r["method"] == "dflash")["simulated_tau"] = 3.917
+    pd.DataFrame(rows).to_csv(tmp_path / "eval.csv", index=False)
+    plots.tau_speedup(str(tmp_path / "eval.csv"), str(tmp_path / "tau.png"), Pipeline.method_labels())
+    without, with_sim = ([t.get_text() for t in f.axes[0].texts] for f in figures)
+    assert without == ["1.50"] * len(METHODS) and sorted(with_sim) == sorted(without + ["3.92"])
 
 
 def _name_collections(path) -> list[tuple[int, list[str]]]:

@@ -99,6 +99,10 @@ def tau_speedup(eval_csv: str, out_png: str, method_labels: dict[str, str]) -> N
         if m == "dflash" and "simulated_tau" in g and g["simulated_tau"].notna().any():
             ax_tau.plot(xs, g["simulated_tau"], "k_", markersize=18, mew=2.5,
                         label="DFlash, simulated in training (held-out blocks)")
+            for x, sim in zip(xs, g["simulated_tau"]):  # its value beside the marker, clear of the bar's label
+                if pd.notna(sim):
+                    ax_tau.annotate(f"{sim:.2f}", (x, sim), xytext=(11, 0), textcoords="offset points",
+                                    ha="left", va="center", fontsize=7)
     for ax in (ax_tau, ax_sp):
         ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(datasets))])
         ax.set_xticklabels(datasets)
