@@ -79,10 +79,9 @@ def test_captured_target_and_drafter_steps_decode_like_the_eager_loop():
 
 def test_flex_steps_read_only_their_live_key_blocks_and_decode_like_the_eager_loop():
     """The compiled steps' flex attention (float32: flex has no float64): the target's AR and verify steps and
-    the drafter's draft give the eager loops' tokens, with every cache position past the second key block NaN,
-    so a read of one (a live-block count too high) would poison the reply, and one too low would hide context."""
-    import math
-
+    the drafter's draft give the eager loops' tokens over contexts of one and two key blocks, so a live-block
+    count too low would hide context. One too high reads masked keys only (a cost, not an error): the prefill's
+    SDPA reads the whole cache, so no poisoned position past the live blocks can tell."""
     from dflashpipe.decode.speculative import ARDecoder, DFlashDecoder, TargetRunner, drafter_runner, target_runner
     from dflashpipe.decode.static_target import KV_BLOCK
 

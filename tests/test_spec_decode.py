@@ -390,6 +390,8 @@ def test_static_target_step_decodes_what_the_dynamic_one_does(which, attention, 
     # a Qwen3: its layers written out with q/k/v and gate/up fused (dflashpipe.decode.layer)
     assert static.mode == "static+fused" + flex and target_runner(target, "auto").mode == "dynamic"  # auto: compiled only on a GPU
     assert target_runner(target, "static").mode == target_runner(target, "compiled").mode == "static+fused"  # no graphs: no compile
+    # flex's masks hold one key block of queries: a longer step attends with SDPA
+    assert StaticTargetRunner(target, capacity=256, graph_sizes=(1, 129), attention=attention).mode == "static+fused"
     ids = encode(tok, PROMPTS["p-apples"])
     ref_logits, ref_feats = TargetRunner(target, cfg.target_layer_ids).forward(
         TargetRunner(target).new_cache(), torch.tensor([ids]), 0, features=True)

@@ -61,9 +61,10 @@ class StaticDrafterRunner:
         compile = compile and self.cuda_graphs
         # flex only for full-attention layers: a sliding window's mask reads the query's row, which flex's decoding
         # kernel got wrong for the target's verify (static_target._layer)
+        # (and the block's own keys in one key block)
         windows = {cfg.window_of(i) for i in range(len(drafter.layers))}
-        self.flex = flex_attention_for(compile, self.dtype, attention) and windows == {None}
         self.bs = int(cfg.block_size)
+        self.flex = flex_attention_for(compile, self.dtype, attention) and windows == {None} and self.bs <= KV_BLOCK
         self.capacity = round_capacity(capacity, KV_BLOCK) if self.flex else int(capacity)
         self.verified = cfg.num_drafts + 1  # positions of a verify: the anchor and the drafts
         shape = (1, cfg.num_key_value_heads, self.capacity, cfg.head_dim)

@@ -58,7 +58,8 @@ KV_BLOCK = 128
 
 def flex_attention_for(compiled: bool, dtype, attention: str = "auto") -> bool:
     """Whether captured steps attend with flex_attention: ``auto`` when compiled (eager flex writes the
-    scores out) and the dtype is one flex has (not float64); ``flex`` / ``sdpa`` as said."""
+    scores out: the CPU tests' check of the masks) and the dtype is one flex has (not float64);
+    ``flex`` / ``sdpa`` as said."""
     if attention not in ATTENTION:
         raise ValueError(f"static decoding: attention {attention!r} (one of {', '.join(ATTENTION)})")
     if attention == "auto":
@@ -141,13 +142,14 @@ class StaticTargetRunner:
         # the Llama-layout models' layers written out with their projections fused (fewer, larger
         # matmuls: :mod:`.layer`); other layouts run HF's layer modules on the same cache
         self.written_out = fused and written_out_reason(model) is None
-        self.attention = "flex" if self.written_out and flex_attention_for(compile, dtype, attention) else "sdpa"
-        self.cache = StaticKV(model, round_capacity(capacity, KV_BLOCK) if self.attention == "flex" else capacity,
-                              self.device, dtype)
+        self.graph_sizes = tuple(sorted(set(int(t) for t in graph_sizes)))
+        # flex: the masks hold one block of queries
+        flex = self.written_out and max(self.graph_sizes) <= KV_BLOCK and flex_attention_for(compile, dtype, attention)
+        self.attention = "flex" if flex else "sdpa"
+        self.cache = StaticKV(model, round_capacity(capacity, KV_BLOCK) if flex else capacity, self.device, dtype)
         if self.written_out:
             fuse_projections(model)
         self.key_pos = torch.arange(self.cache.capacity, device=self.device)
-        self.graph_sizes = tuple(sorted(set(int(t) for t in graph_sizes)))
         # the positions of each step size's tokens: one buffer per size, which its graphs (and flex mask) read
         self.step_pos = {t: torch.zeros(t, dtype=torch.long, device=self.device) for t in self.graph_sizes}
         self._graphs: dict[tuple[int, bool], list] = {}  # (T, features) -> [graph, ids, outputs]
