@@ -26,14 +26,14 @@ else:
 BS = 4
 
 
-def _models():
+def _models(heads: int = 4, kv_heads: int = 2):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, vocab_size=97, max_position_embeddings=512,
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=16, vocab_size=97, max_position_embeddings=512,
                       tie_word_embeddings=False)
     target = Qwen3ForCausalLM(cfg)
     with torch.no_grad():
@@ -79,27 +79,29 @@ def test_captured_target_and_drafter_steps_decode_like_the_eager_loop():
 
 def test_flex_steps_read_only_their_live_key_blocks_and_decode_like_the_eager_loop():
     """The compiled steps' flex attention (float32: flex has no float64): the target's AR and verify steps and
-    the drafter's draft give the eager loops' tokens over contexts of one and two key blocks, so a live-block
-    count too low would hide context. One too high reads masked keys only (a cost, not an error): the prefill's
-    SDPA reads the whole cache, so no poisoned position past the live blocks can tell."""
+    the drafter's draft give the eager loops' tokens over contexts of one and two key blocks (2 query heads per
+    key/value head, and 3 as SmolLM2 has), so a live-block count too low would hide context. One too high reads
+    masked keys only (a cost, not an error): the prefill's SDPA reads the whole cache, so no poisoned position
+    past the live blocks can tell."""
     from dflashpipe.decode.speculative import ARDecoder, DFlashDecoder, TargetRunner, drafter_runner, target_runner
     from dflashpipe.decode.static_target import KV_BLOCK
 
-    target, drafter, dcfg = _models()
-    target, drafter = target.float(), drafter.float()
-    ends, capacity = [7], 4 * KV_BLOCK
-    step = target_runner(target, "compiled", None, capacity, graph_sizes=(1,))
-    verify = target_runner(target, "compiled", dcfg.target_layer_ids, capacity, graph_sizes=(BS,))
-    draft = drafter_runner(drafter, verify, "compiled", capacity)
-    assert step.mode.endswith("+flex") and verify.mode.endswith("+flex") and draft.mode.endswith("+flex")
-    ar = ARDecoder(target, ends, runner=step)
-    dflash = DFlashDecoder(target, drafter, dcfg, ends, runner=verify, draft_runner=draft)
-    for prompt in _prompts(target.config.vocab_size, (150, 5, 120, 200)):  # one key block, or two
-        a_ref = ARDecoder(target, ends, runner=TargetRunner(target)).generate(prompt, 30)
-        d_ref = DFlashDecoder(target, drafter, dcfg, ends).generate(prompt, 30)
-        a, d = ar.generate(prompt, 30), dflash.generate(prompt, 30)
-        assert a.tokens == a_ref.tokens == d.tokens == d_ref.tokens, len(prompt)
-        print(len(prompt), "accepted", d.accepted, "eager", d_ref.accepted)
+    for heads in (4, 6):
+        target, drafter, dcfg = _models(heads=heads)
+        target, drafter = target.float(), drafter.float()
+        ends, capacity = [7], 4 * KV_BLOCK
+        step = target_runner(target, "compiled", None, capacity, graph_sizes=(1,))
+        verify = target_runner(target, "compiled", dcfg.target_layer_ids, capacity, graph_sizes=(BS,))
+        draft = drafter_runner(drafter, verify, "compiled", capacity)
+        assert step.mode.endswith("+flex") and verify.mode.endswith("+flex") and draft.mode.endswith("+flex")
+        ar = ARDecoder(target, ends, runner=step)
+        dflash = DFlashDecoder(target, drafter, dcfg, ends, runner=verify, draft_runner=draft)
+        for prompt in _prompts(target.config.vocab_size, (150, 5, 120, 200)):  # one key block, or two
+            a_ref = ARDecoder(target, ends, runner=TargetRunner(target)).generate(prompt, 30)
+            d_ref = DFlashDecoder(target, drafter, dcfg, ends).generate(prompt, 30)
+            a, d = ar.generate(prompt, 30), dflash.generate(prompt, 30)
+            assert a.tokens == a_ref.tokens == d.tokens == d_ref.tokens, (heads, len(prompt))
+            print(heads, len(prompt), "accepted", d.accepted, "eager", d_ref.accepted)
 
 
 def test_batched_decoder_graphs_decode_like_transformers():

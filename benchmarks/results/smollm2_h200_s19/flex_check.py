@@ -1,4 +1,7 @@
-"""Which static piece's flex attention decodes differently from the eager loop (float32, a random Qwen3; GPU)."""
+"""Which static piece's flex attention decodes differently from the eager loop (float32, a random Qwen3; GPU).
+
+    python3 flex_check.py [QUERY_HEADS]   # 4 (default: 2 per key/value head, the logs here); 6: 3, as SmolLM2
+"""
 import sys
 from pathlib import Path
 
@@ -11,7 +14,7 @@ from dflashpipe.decode.speculative import ARDecoder, DFlashDecoder, TargetRunner
 from dflashpipe.decode.static_drafter import StaticDrafterRunner  # noqa: E402
 from dflashpipe.decode.static_target import StaticTargetRunner  # noqa: E402
 
-target, drafter, dcfg = t._models()
+target, drafter, dcfg = t._models(heads=int(sys.argv[1]) if len(sys.argv) > 1 else 4)
 target, drafter = target.float(), drafter.float()
 ends, C = [7], 512
 prompts = t._prompts(target.config.vocab_size, (150, 5, 120, 200))
