@@ -97,6 +97,17 @@ def fuse_projections(model, layers=None) -> None:
                 owner._refuses_on_load = True
 
 
+def live_block_mask(live: torch.Tensor, order: torch.Tensor, mask_mod, q_len: int, kv_len: int, block: int):
+    """A flex BlockMask whose row b reads the key blocks ``order[:live[b]]`` of ``block`` positions, every one
+    through ``mask_mod``: ``live`` int32 [rows, 1, 1], updated in place by each step, ``order`` [blocks]. One
+    object for every step of a captured graph (the batched decoder's and the static steps')."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    kv_indices = order.view(1, 1, 1, -1).expand(live.shape[0], 1, 1, -1).contiguous()
+    return BlockMask.from_kv_blocks(live, kv_indices, BLOCK_SIZE=(block, block), mask_mod=mask_mod,
+                                    seq_lengths=(q_len, kv_len), compute_q_blocks=False)
+
+
 def _rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

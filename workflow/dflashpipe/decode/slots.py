@@ -40,12 +40,13 @@ from collections import Counter, deque
 import torch
 import torch.nn.functional as F
 
-from dflashpipe.decode.cuda_graph import capture
+from dflashpipe.decode.cuda_graph import capture, round_capacity
 from dflashpipe.decode.layer import (
     attention_dims,
     attention_inputs,
     finish_layer,
     fuse_projections,
+    live_block_mask,
     written_out_reason,
 )
 
@@ -113,7 +114,7 @@ class SlotDecoder:
             attention = "flex" if self.device.type == "cuda" else "dense"
         self.attention, self.kv_block = attention, int(kv_block)
         if attention == "flex":  # whole blocks
-            capacity = -(-int(capacity) // self.kv_block) * self.kv_block
+            capacity = round_capacity(capacity, self.kv_block)
         self.slots, self.capacity, self.prefill_tokens = int(slots), int(capacity), int(prefill_tokens)
         shape = (self.slots, self.n_kv, self.capacity, self.head_dim)
         self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in self.inner.layers]
@@ -142,7 +143,7 @@ class SlotDecoder:
 
     def _init_flex(self) -> None:
         """The block mask (one object, updated in place each step) and the compiled attention."""
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention
+        from torch.nn.attention.flex_attention import flex_attention
 
         blocks = self.capacity // self.kv_block
         # live blocks per row: written by each step (0 for rows outside a partial step)
@@ -153,10 +154,7 @@ class SlotDecoder:
         def upto_own_position(b, h, q_idx, kv_idx):  # within a row's last live block
             return kv_idx <= pos[b]
 
-        self._block_mask = BlockMask.from_kv_blocks(
-            self._live_blocks, order.expand(self.slots, 1, 1, blocks).contiguous(),
-            BLOCK_SIZE=(self.kv_block, self.kv_block), mask_mod=upto_own_position, seq_lengths=(1, self.capacity),
-            compute_q_blocks=False)
+        self._block_mask = live_block_mask(self._live_blocks, order, upto_own_position, 1, self.capacity, self.kv_block)
         self._q_all = torch.zeros((self.slots, self.n_heads, 1, self.head_dim), dtype=self.dtype, device=self.device)
         self._flex = torch.compile(flex_attention, dynamic=False)
 

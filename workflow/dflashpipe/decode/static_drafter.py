@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 
 from dflashpipe.decode.cuda_graph import capture, round_capacity
-from dflashpipe.decode.layer import fuse_projections
-from dflashpipe.decode.static_target import KV_BLOCK, flex_attention_for, live_block_mask
+from dflashpipe.decode.layer import fuse_projections, live_block_mask
+from dflashpipe.decode.static_target import KV_BLOCK, flex_attention_for
 
 
 def block_masks(drafter, ctx_visible: torch.Tensor, pos: torch.Tensor, ctx_pos: torch.Tensor,
@@ -59,9 +59,8 @@ class StaticDrafterRunner:
         self.dtype = next(drafter.parameters()).dtype
         self.cuda_graphs = (self.device.type == "cuda") if cuda_graphs is None else bool(cuda_graphs)
         compile = compile and self.cuda_graphs
-        # flex only for full-attention layers: a sliding window's mask reads the query's row, which flex's decoding
-        # kernel got wrong for the target's verify (static_target._layer)
-        # (and the block's own keys in one key block)
+        # flex only for full-attention layers (a sliding window's mask reads the query's row, which flex's decoding
+        # kernel got wrong for the target's verify: static_target._layer) and a block within one key block
         windows = {cfg.window_of(i) for i in range(len(drafter.layers))}
         self.bs = int(cfg.block_size)
         self.flex = flex_attention_for(compile, self.dtype, attention) and windows == {None} and self.bs <= KV_BLOCK
@@ -99,7 +98,7 @@ class StaticDrafterRunner:
 
         blocks = C // KV_BLOCK
         order = torch.cat([torch.tensor([blocks]), torch.arange(blocks)]).to(self.device, torch.int32)
-        return live_block_mask(self._live, order, seen, self.bs, C + self.bs)
+        return live_block_mask(self._live, order, seen, self.bs, C + self.bs, KV_BLOCK)
 
     # -- the two pieces ---------------------------------------------------------------
 

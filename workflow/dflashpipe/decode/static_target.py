@@ -46,6 +46,7 @@ from dflashpipe.decode.layer import (
     attention_inputs,
     finish_layer,
     fuse_projections,
+    live_block_mask,
     written_out_reason,
 )
 from dflashpipe.drafter.features import has_standard_layout, layer_types_of
@@ -65,15 +66,6 @@ def flex_attention_for(compiled: bool, dtype, attention: str = "auto") -> bool:
     if attention == "auto":
         return compiled and dtype != torch.float64
     return attention == "flex"
-
-
-def live_block_mask(live: torch.Tensor, order: torch.Tensor, mask_mod, q_len: int, kv_len: int):
-    """A flex BlockMask reading the key blocks ``order[:live]`` (``live`` int32 [1, 1, 1], updated in place by the
-    step, ``order`` [blocks]), every one through ``mask_mod``: one object for every step of a captured graph."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    return BlockMask.from_kv_blocks(live, order.view(1, 1, 1, -1).contiguous(), BLOCK_SIZE=(KV_BLOCK, KV_BLOCK),
-                                    mask_mod=mask_mod, seq_lengths=(q_len, kv_len), compute_q_blocks=False)
 
 
 class StaticKV:
@@ -171,7 +163,7 @@ class StaticTargetRunner:
         def up_to_own_position(b, h, q_idx, kv_idx):
             return kv_idx <= pos[q_idx]
 
-        return live, live_block_mask(live, order, up_to_own_position, T, self.cache.capacity)
+        return live, live_block_mask(live, order, up_to_own_position, T, self.cache.capacity, KV_BLOCK)
 
     # -- the step ------------------------------------------------------------
 
