@@ -65,17 +65,20 @@ seeds)
     # RECIPES (default: the config's dflash2) x SEEDS, STEPS steps each, one process per run, all on the
     # GPU at once (held-out simulated tau every 200 steps: the data-and-steps curve); `speed` evaluates
     # each drafter alone. TAU_SETS: each run then evaluates its tau on those sets (static target step;
-    # tau does not depend on the GPU's load, so the runs share it)
+    # tau does not depend on the GPU's load, so the runs share it). LABEL=x SET='key=value': a variant of
+    # the recipe, its runs named RECIPE_x_sSEED (e.g. SET='train.repeat={code: 3, code_more: 3}')
     mkdir -p "$WORK/seeds"
     after=(--train-only)
     [ -z "${TAU_SETS:-}" ] || after=(--eval-sets "$TAU_SETS" --set evaluate.target_step=static
                                      --set evaluate.num_prompts="${EVAL_PROMPTS:-32}" --methods dflash)
+    [ -z "${SET:-}" ] || after+=(--set "$SET" --label "$LABEL")
     for r in $RECIPE_LIST; do
         for s in $SEEDS; do
-            env $(own_cache "$WORK/cache/${r}_s$s") setsid nohup "${R[@]}" --out "$WORK/seeds/${r}_s$s" \
+            name=${r}${LABEL:+_$LABEL}_s$s
+            env $(own_cache "$WORK/cache/$name") setsid nohup "${R[@]}" --out "$WORK/seeds/$name" \
                 --recipes "$r" --seeds "$s" "${after[@]}" \
                 --set train.max_steps="${STEPS:-2000}" --set train.eval_every=200 \
-                > "$WORK/seeds/${r}_s$s.log" 2>&1 < /dev/null &
+                > "$WORK/seeds/$name.log" 2>&1 < /dev/null &
         done
     done
     sleep 5; pgrep -af "recipes.py.*$WORK/seeds/" | cut -c1-120 || echo "no run started"
@@ -168,6 +171,7 @@ speed)
     # each drafter of `seeds` (SPEED_SEEDS: of those seeds only) alone on the GPU, the target's steps
     # compiled and captured, same-harness AR beside it: the first run on every eval set, the others on SPEED_SETS (held-out math and code); then
     # the AR floor and the DFlash step's pieces (benchmarks/ar_floor.py) with the first run's drafter
+    # (FLOOR_MODES=all: with SDPA beside flex)
     mkdir -p "$ARG" "$WORK/report_speed"
     done_runs=() first=""
     for r in $RECIPE_LIST; do
@@ -185,7 +189,7 @@ speed)
         done
     done
     [ ${#done_runs[@]} -eq 0 ] || python3 benchmarks/recipes.py --out "$WORK/report_speed" --combine "${done_runs[@]}"
-    [ -z "$first" ] || [ "${FLOOR:-1}" = 0 ] || timeout "${FLOOR_LIMIT_S:-150}" python3 benchmarks/ar_floor.py --target "$TARGET" \
+    [ -z "$first" ] || [ "${FLOOR:-1}" = 0 ] || timeout "${FLOOR_LIMIT_S:-150}" python3 benchmarks/ar_floor.py --target "$TARGET" --modes "${FLOOR_MODES:-eval}" \
         --drafter "$WORK/seeds/$first/runs/$first/drafter" --out "$WORK/report_speed/ar_floor.json" || echo "ar_floor failed"
     report "$WORK/report_speed" "$ARG"
     ;;

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,15 @@ def planned_after_edit(workdir: Path, cfg: Path, module: str, edit: str = CODE_E
     finally:
         path.write_text(original)
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # as it was (Snakemake dates a script by it)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A torch.distributed group of one rank (gloo): what the training code's collectives need."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / uuid.uuid4().hex}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -58,6 +58,13 @@ def test_unknown_dataset_reference():
         check(cfg)
 
 
+def test_repeat_names_a_training_dataset():
+    cfg = mini_config()
+    cfg["train"]["repeat"] = {"math_heldout": 2}  # an eval set: not in the training mix
+    with pytest.raises(UserError, match=r"train.repeat.math_heldout: no dataset named 'math_heldout' with `use: train`"):
+        check(cfg)
+
+
 def test_greedy_with_several_samples_is_refused():
     cfg = mini_config()
     cfg["expand"]["temperature"] = 0.0

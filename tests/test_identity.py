@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import uuid
 
 import pytest
 import torch
@@ -11,15 +10,6 @@ import torch.distributed as dist
 
 
 # -- a resumed run keeps ONE copy of the ZeRO optimiser state ------------------------------------------
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / uuid.uuid4().hex}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _state_tensors(state: dict) -> list[torch.Tensor]:

@@ -40,11 +40,13 @@ IGNORED_FIELDS |= {(EvalSettings, name) for name in ("chat_template_kwargs", "ti
 
 
 def section_keys(node=None, prefix=""):
-    """Dotted names of the schema's leaf keys (a dataset's keys as ``datasets.*.key``)."""
+    """Dotted names of the schema's leaf keys (a dataset's keys as ``datasets.*.key``; a mapping of names to
+    numbers, ``train.repeat``, is one key)."""
     node = load_schema() if node is None else node
     out = []
     for key, sub in node.get("properties", {}).items():
-        nested = sub.get("type") == "object" and ("properties" in sub or isinstance(sub.get("additionalProperties"), dict))
+        values = sub.get("additionalProperties")
+        nested = sub.get("type") == "object" and ("properties" in sub or isinstance(values, dict) and "properties" in values)
         out += section_keys(sub, f"{prefix}{key}.") if nested else [f"{prefix}{key}"]
     if isinstance(node.get("additionalProperties"), dict):
         out += section_keys(node["additionalProperties"], f"{prefix}*.")

@@ -296,6 +296,28 @@ def test_data_order_is_deterministic_bucketed_and_disjoint():
     assert [len(rank_slice(x, r, 4)) for r in range(4)] == [1, 1, 1, 1]
 
 
+def test_repeat_weighs_a_training_dataset_and_never_holds_out_a_copy(one_rank_group):
+    """train.repeat: a dataset's training samples drawn that many times per epoch (more steps per epoch);
+    the held-out split is the unweighted one."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    from dflashpipe.drafter.data import run_data
+
+    ds = Dataset.from_dict({"dataset": ["math"] * 40 + ["code"] * 20, "id": [str(i) for i in range(60)],
+                            "bucket": [128] * 60})
+    cfg = SimpleNamespace(heldout_samples=6, seed=0, batch_size=4, epochs=1.0, max_steps=None, repeat={})
+    plain = run_data(ds, cfg, pad_id=0, source="t")
+    weighed = run_data(ds, SimpleNamespace(**{**vars(cfg), "repeat": {"code": 3}}), pad_id=0, source="t")
+    assert (weighed.heldout_idx == plain.heldout_idx).all()
+    code = {i for i in plain.train_idx.tolist() if ds[i]["dataset"] == "code"}
+    counts = np.bincount(weighed.train_idx, minlength=60)
+    assert all(counts[i] == (3 if i in code else 1) for i in plain.train_idx.tolist())
+    assert not set(weighed.train_idx.tolist()) & set(plain.heldout_idx.tolist())
+    assert weighed.steps_per_epoch == len(weighed.train_idx) // 4 > plain.steps_per_epoch == len(plain.train_idx) // 4
+
+
 # -- 6. it learns ------------------------------------------------------------------------
 
 

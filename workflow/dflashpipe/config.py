@@ -151,6 +151,10 @@ def _check_references(config: dict, source: str) -> None:
     train = [n for n, d in datasets.items() if d["use"] == "train"]
     if not train:
         raise UserError(f"{source}: datasets: no dataset has `use: train`; the drafter needs training data")
+    for name in config["train"]["repeat"]:
+        if name not in train:
+            raise UserError(f"{source}: train.repeat.{name}: no dataset named '{name}' with `use: train` under "
+                            f"`datasets`; name one of {', '.join(train)}")
     for name, spec in datasets.items():
         if not re.fullmatch(DATASET_NAME, name):
             raise UserError(f"{source}: datasets.{name}: a dataset name holds only letters, digits, '_', '.' and '-' "

@@ -109,7 +109,10 @@ def run_data(ds, cfg, pad_id: int, source: str) -> RunData:
     held-out split and the number of steps (the same on every rank). ``cfg``: the run's
     :class:`~dflashpipe.drafter.train.TrainConfig`."""
     buckets = np.asarray(ds["bucket"], dtype=np.int64)
-    train_idx, heldout_idx = heldout_split(list(ds["dataset"]), list(ds["id"]), cfg.heldout_samples)
+    names = list(ds["dataset"])
+    train_idx, heldout_idx = heldout_split(names, list(ds["id"]), cfg.heldout_samples)
+    if cfg.repeat:  # the mix's weights: a dataset's training samples drawn `repeat` times per epoch
+        train_idx = np.repeat(train_idx, [cfg.repeat.get(names[i], 1) for i in train_idx])
     steps_per_epoch = len(epoch_batches(buckets, train_idx, cfg.seed, 0, cfg.batch_size))
     if steps_per_epoch == 0:
         raise UserError(

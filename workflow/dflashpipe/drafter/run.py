@@ -50,6 +50,7 @@ class TrainConfig:
     checkpoint_every: int  # steps
     eval_every: int  # 0: only at the end
     heldout_samples: int  # deterministic held-out split of the tokenized data (by hash of id)
+    repeat: dict  # training dataset name -> draws of each of its samples per epoch (the mix's weights)
     seed: int
     loss: str  # kl (the target's distribution) | ce (the data's tokens)
     tv_weight: float  # + that multiple of the total variation to the target (or the label)
