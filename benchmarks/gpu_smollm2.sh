@@ -5,7 +5,10 @@
 #
 #   bash benchmarks/gpu_smollm2.sh stash  GGUF_PART     # a part of the .gguf, appended under $WORK (repeat)
 #   bash benchmarks/gpu_smollm2.sh data   LAST_PART [OUT]  # join, build the target, expand, tokenize;
-#                                                       # SEEDS_AFTER=1: then start the `seeds` runs
+#                                                       # SEEDS_AFTER=1: then start the `seeds` runs;
+#                                                       # OUT/expanded.tgz.*: the expansions, in parts
+#   bash benchmarks/gpu_smollm2.sh keep   PART...       # such parts, carried back (repeat): `data` then
+#                                                       # unpacks them instead of expanding again
 #   bash benchmarks/gpu_smollm2.sh seeds                # RECIPES x SEEDS (default: dflash2 x 0 1 2), one run
 #                                                       # each, in the background (setsid): they outlive the call;
 #                                                       # TAU_SETS=a,b: each then evaluates its tau on those sets
@@ -60,6 +63,11 @@ case $STAGE in
 stash)
     cat "$ARG" >> "$WORK/gguf.partial"
     ls -l "$WORK/gguf.partial"
+    ;;
+keep)
+    mkdir -p "$WORK/expanded_parts"
+    cp "${@:2}" "$WORK/expanded_parts/"
+    ls -l "$WORK/expanded_parts"
     ;;
 seeds)
     # RECIPES (default: the config's dflash2) x SEEDS, STEPS steps each, one process per run, all on the
@@ -118,6 +126,10 @@ data)
         echo "$GGUF_SHA256  $gguf" | sha256sum -c
         python3 resources/make_real_target.py --out "$TARGET" --gguf "$gguf"
     fi
+    # the expansions of an earlier machine (`keep`): greedy and batched, the same replies
+    if [ -d "$WORK/expanded_parts" ] && ! ls "$DATA"/expanded_*.parquet > /dev/null 2>&1; then
+        mkdir -p "$DATA" && cat "$WORK"/expanded_parts/expanded.tgz.* | tar xzf - -C "$DATA" && ls -l "$DATA"
+    fi
     # the first variant writes the prompts and the expansions; the others only tokenize them again
     set -- ${VARIANTS[0]}
     "${R[@]}" --out "$WORK/prep" --data-only --set tokenize.cut_replies=$1 --set tokenize.reply_ids=$2
@@ -139,6 +151,9 @@ for f in sorted(glob.glob('$DATA/expanded_*.parquet')):
     print(f.split('/')[-1], len(df), df.finish_reason.value_counts().to_dict(), int(df.num_new_tokens.sum()))
 " | tee "$WORK/report_data/expanded.txt"
         report "$WORK/report_data" "$OUTDIR"
+        # the expansions, for a later machine (`keep`): parts that fit what a call brings back and carries
+        tar czf - -C "$DATA" $(cd "$DATA" && ls expanded_*.parquet) | split -b 15M -d -a 1 - "$OUTDIR/expanded.tgz."
+        ls -l "$OUTDIR"
     fi
     [ -z "${SEEDS_AFTER:-}" ] || bash "$0" seeds
     ;;
