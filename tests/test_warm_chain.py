@@ -151,6 +151,8 @@ def _change_result_keys(section: dict, values: dict) -> list[str]:
             new = 1000 if old is None else old + 1
         elif "number" in types:
             new = old / 2 if old else 0.5
+        elif "object" in types:  # a mapping of training datasets to numbers (train.repeat)
+            new = {"code": 2}
         else:
             continue
         values[key] = new
