@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
-import torch.distributed as dist
 
 
 # -- a resumed run keeps ONE copy of the ZeRO optimiser state ------------------------------------------
