@@ -15,7 +15,8 @@
 #   bash benchmarks/gpu_smollm2.sh wait   OUT           # until the seeds' runs end (or WAIT_S); report
 #   bash benchmarks/gpu_smollm2.sh speed  OUT           # each seed's drafter alone on the GPU: compiled
 #                                                       # AR beside it, the AR floor, the DFlash step split
-#                                                       # (FIRST_ALL=0: no run on every eval set; FLOOR=0: no floor)
+#                                                       # (FIRST_ALL=0: no run on every eval set; FLOOR=0: no floor;
+#                                                       # LABEL/SET as given to `seeds`: that variant's runs)
 #   bash benchmarks/gpu_smollm2.sh train  OUT           # recipes and data rules side by side (tau)
 #
 # On a machine with the registry, `data` can start from the installed package instead:
@@ -187,26 +188,33 @@ speed)
     # compiled and captured, same-harness AR beside it: the first run on every eval set, the others on SPEED_SETS (held-out math and code); then
     # the AR floor and the DFlash step's pieces (benchmarks/ar_floor.py) with the first run's drafter
     # (FLOOR_MODES=all: with SDPA beside flex)
-    mkdir -p "$ARG" "$WORK/report_speed"
+    # LABEL and SET as given to `seeds`: a variant's runs (the same SET, or they would train again).
+    # OUT gets the report after every run: a call cut short still returns the runs that finished.
+    rep=$WORK/report_speed${LABEL:+_$LABEL}
+    variant=()
+    [ -z "${SET:-}" ] || variant=(--set "$SET" --label "$LABEL")
+    mkdir -p "$ARG" "$rep"
     done_runs=() first=""
     for r in $RECIPE_LIST; do
         for s in ${SPEED_SEEDS:-$SEEDS}; do
-            name=${r}_s$s
-            [ -d "$WORK/seeds/$name/runs/$name/drafter" ] || { echo "$name: no drafter"; continue; }
+            name=${r}${LABEL:+_$LABEL}_s$s
+            drafter=$WORK/seeds/$name/runs/${r}_s$s/drafter
+            [ -d "$drafter" ] || { echo "$name: no drafter"; continue; }
             sets="--eval-sets ${SPEED_SETS:-math_heldout,code_heldout}"
-            [ -n "$first" ] || { first=$name; [ "${FIRST_ALL:-1}" = 0 ] || sets=""; }
-            "${R[@]}" --out "$WORK/seeds/$name" --recipes "$r" --seeds "$s" $sets --set train.max_steps="${STEPS:-2000}" \
-                --set train.eval_every=200 --set evaluate.target_step=compiled \
-                --set evaluate.num_prompts="${EVAL_PROMPTS:-32}" --methods dflash,ar > "$WORK/report_speed/$name.log" 2>&1 \
+            [ -n "$first" ] || { first=$drafter; [ "${FIRST_ALL:-1}" = 0 ] || sets=""; }
+            "${R[@]}" --out "$WORK/seeds/$name" --recipes "$r" --seeds "$s" $sets "${variant[@]}" \
+                --set train.max_steps="${STEPS:-2000}" --set train.eval_every=200 --set evaluate.target_step=compiled \
+                --set evaluate.num_prompts="${EVAL_PROMPTS:-32}" --methods dflash,ar > "$rep/$name.log" 2>&1 \
                 && done_runs+=("$WORK/seeds/$name") || echo "speed of $name failed"
-            grep -h "speed-up" "$WORK/report_speed/$name.log" | cut -c1-160 || true
-            mkdir -p "$WORK/report_speed/$name" && cp "$WORK/seeds/$name"/runs/*/*.summary.json "$WORK/report_speed/$name/" || true
+            grep -h "speed-up" "$rep/$name.log" | cut -c1-160 || true
+            mkdir -p "$rep/$name" && cp "$WORK/seeds/$name"/runs/*/*.summary.json "$rep/$name/" || true
+            report "$rep" "$ARG"
         done
     done
-    [ ${#done_runs[@]} -eq 0 ] || python3 benchmarks/recipes.py --out "$WORK/report_speed" --combine "${done_runs[@]}"
+    [ ${#done_runs[@]} -eq 0 ] || python3 benchmarks/recipes.py --out "$rep" --combine "${done_runs[@]}"
     [ -z "$first" ] || [ "${FLOOR:-1}" = 0 ] || timeout "${FLOOR_LIMIT_S:-150}" python3 benchmarks/ar_floor.py --target "$TARGET" --modes "${FLOOR_MODES:-eval}" \
-        --drafter "$WORK/seeds/$first/runs/$first/drafter" --out "$WORK/report_speed/ar_floor.json" || echo "ar_floor failed"
-    report "$WORK/report_speed" "$ARG"
+        --drafter "$first" --out "$rep/ar_floor.json" || echo "ar_floor failed"
+    report "$rep" "$ARG"
     ;;
 *)
     echo "usage: $0 stash|data|seeds|wait|speed|train ARG" >&2
