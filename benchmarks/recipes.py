@@ -114,7 +114,7 @@ def prepare_data(cfg: dict, target: str | None, data: Path, device: str, log) ->
     data.mkdir(parents=True, exist_ok=True)
     prompts, expanded = {}, {}
     for name, spec in cfg["datasets"].items():
-        prompts[name] = data / f"prompts_{name}.parquet"
+        prompts[name] = data / f"prompts_{name}_{digest(spec)}.parquet"  # a changed spec reads its file again
         if not prompts[name].exists():
             prepare_prompts(spec, name, str(prompts[name]), repo_root=str(REPO))
     target = target or tiny_target(cfg, prompts, data / "target", log)
@@ -143,8 +143,12 @@ def tokenized_dir(cfg: dict, data: Path) -> Path:
     expansions, one per dataset, are shared): a mix with another dataset is tokenized again."""
     tk = cfg["tokenize"]
     train = sorted(name for name, spec in cfg["datasets"].items() if spec["use"] == "train")
-    mix = hashlib.sha256(json.dumps([[n, cfg["datasets"][n]] for n in train], sort_keys=True).encode()).hexdigest()
-    return data / f"tokenized_{tk['cut_replies']}_{tk['reply_ids']}_{mix[:8]}"
+    return data / f"tokenized_{tk['cut_replies']}_{tk['reply_ids']}_{digest([[n, cfg['datasets'][n]] for n in train])}"
+
+
+def digest(obj) -> str:
+    """8 hex digits naming a JSON-able value (a dataset's spec, a mix) in a file name."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:8]
 
 
 def recipe_config(cfg: dict, recipe: str, window: int, seed: int) -> dict:
