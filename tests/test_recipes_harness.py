@@ -1,0 +1,45 @@
+"""benchmarks/recipes.py's data keys: a dataset added by --set reaches the config, and a mix with
+another training dataset, or a dataset with another spec, gets files of its own (never the old ones)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+EXTRA = "datasets.extra={path: resources/prompts/reasoning_heldout.jsonl.gz, messages_column: messages}"
+
+
+def _recipes():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("recipes_harness", REPO / "benchmarks" / "recipes.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_dataset_set_on_the_command_line_joins_the_files_datasets(tmp_path):
+    recipes = _recipes()
+    own = tmp_path / "own.yaml"
+    own.write_text(yaml.safe_dump({"datasets": {
+        "r": {"path": "resources/prompts/reasoning_train.jsonl.gz", "messages_column": "messages"},
+        "h": {"path": "resources/prompts/reasoning_heldout.jsonl.gz", "messages_column": "messages", "use": "eval"}}}))
+    assert sorted(recipes.merged_config([str(own)], [])["datasets"]) == ["h", "r"]  # the file's replace the shipped
+    cfg = recipes.merged_config([str(own)], [EXTRA])
+    assert sorted(cfg["datasets"]) == ["extra", "h", "r"] and cfg["datasets"]["extra"]["use"] == "train"
+
+
+def test_another_mix_or_spec_gets_a_tokenized_set_and_prompts_of_its_own(tmp_path):
+    recipes = _recipes()
+    base = recipes.merged_config([], [])
+    data = tmp_path / "data"
+    first = recipes.tokenized_dir(base, data)
+    assert recipes.tokenized_dir(recipes.merged_config([], []), data) == first  # the same mix: the same set
+    assert recipes.tokenized_dir(recipes.merged_config([], [EXTRA]), data) != first
+    # an eval-only dataset changes no training data
+    held = EXTRA.replace("messages}", "messages, use: eval}")
+    assert recipes.tokenized_dir(recipes.merged_config([], [held]), data) == first
+    limited = recipes.merged_config([], ["datasets.math.limit=10"])
+    assert recipes.tokenized_dir(limited, data) != first
+    assert recipes.digest(limited["datasets"]["math"]) != recipes.digest(base["datasets"]["math"])
