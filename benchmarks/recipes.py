@@ -75,9 +75,8 @@ def merged_config(files: list[str], overrides: list[str]) -> dict:
         for p in parents:
             node = node.setdefault(p, {})
         node[last] = yaml.safe_load(value)
-    # an override under `datasets` adds to (or edits) the files' datasets, as Snakemake's --config does
-    cli = {"datasets": cfg["datasets"]} if any(item.startswith("datasets.") for item in overrides) else None
-    for note in prepare_config(cfg, ", ".join(files) or "config", files, cli_config=cli):
+    # the datasets are settled above (an override under `datasets` adds to the files'): no files passed on
+    for note in prepare_config(cfg, ", ".join(files) or "config"):
         print(note)
     return cfg
 

@@ -281,6 +281,7 @@ def main():
     parser.add_argument("--chat-train", type=int, default=6000, help="rows in chat_train (default: 6000)")
     parser.add_argument("--chat-heldout", type=int, default=200, help="rows in chat_heldout (default: 200)")
     parser.add_argument("--chat-max-chars", type=int, default=1000, help="longest first turn kept (characters)")
+    parser.add_argument("--chat-seed", type=int, default=1234, help="seed for sampling the chat rows")
     args = parser.parse_args()
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -312,7 +313,7 @@ def main():
                          if row["messages"][0]["content"] not in asked]
 
     mt_bench = mt_bench_rows()
-    chat_train, chat_heldout = chat_rows(args.chat_train, args.chat_heldout, args.chat_max_chars, args.code_seed,
+    chat_train, chat_heldout = chat_rows(args.chat_train, args.chat_heldout, args.chat_max_chars, args.chat_seed,
                                          exclude=frozenset(row["messages"][0]["content"] for row in mt_bench))
 
     outputs = {
