@@ -96,6 +96,8 @@ def test_example_configs_are_valid():
     one_gpu = check(_merge(base, yaml.safe_load((REPO / "config/gpu_1x_tiny.yaml").read_text())))
     assert one_gpu["gpu"]["slots"] == 1 and one_gpu["target"]["path"] == base["target"]["path"] == "resources/tiny_target"
     assert one_gpu["datasets"] == check(base)["datasets"]  # the overlay changes only what it names
+    smol = check(_merge(base, yaml.safe_load((REPO / "config/smollm2.yaml").read_text())))
+    assert smol["train"]["repeat"] == {"code": 3, "code_more": 3} and "chat" in smol["datasets"]
     bad = _merge(base, {"train": {"compile": "everything"}})
     with pytest.raises(UserError, match=r"train.compile: 'everything' is not one of"):
         check(bad)
