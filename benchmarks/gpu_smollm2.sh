@@ -21,7 +21,7 @@
 #
 # On a machine with the registry, `data` can start from the installed package instead:
 #   GGUF=$(python -c '...') bash benchmarks/gpu_smollm2.sh data -
-# Data: config/smollm2.yaml's mix (21,681 prompts), expanded once by the batched backend; tokenized
+# Data: config/smollm2.yaml's mix (27,681 prompts), expanded once by the batched backend; tokenized
 # once per way of reading the replies (tokenize.cut_replies x tokenize.reply_ids; RULES=all: four).
 set -euo pipefail
 STAGE=$1
@@ -79,11 +79,11 @@ keep)
     ls -l "$WORK/expanded_parts"
     ;;
 seeds)
-    # RECIPES (default: the config's dflash2) x SEEDS, STEPS steps each, one process per run, all on the
-    # GPU at once (held-out simulated tau every 200 steps: the data-and-steps curve); `speed` evaluates
-    # each drafter alone. TAU_SETS: each run then evaluates its tau on those sets (static target step;
-    # tau does not depend on the GPU's load, so the runs share it). LABEL/SET: a variant (VARIANT above),
-    # e.g. SET='train.repeat={code: 3, code_more: 3}'
+    # RECIPES (default: the config's dflash2) x SEEDS, STEPS steps each (default: the config's
+    # train.max_steps), one process per run, all on the GPU at once (held-out simulated tau every 200
+    # steps: the data-and-steps curve); `speed` evaluates each drafter alone. TAU_SETS: each run then
+    # evaluates its tau on those sets (static target step; tau does not depend on the GPU's load, so the
+    # runs share it). LABEL/SET: a variant (VARIANT above), e.g. SET='train.repeat={code: 5}'
     mkdir -p "$WORK/seeds"
     after=(--train-only)
     [ -z "${TAU_SETS:-}" ] || after=(--eval-sets "$TAU_SETS" --set evaluate.target_step=static
@@ -94,7 +94,7 @@ seeds)
             name=${r}${LABEL:+_$LABEL}_s$s
             env $(own_cache "$WORK/cache/$name") setsid nohup "${R[@]}" --out "$WORK/seeds/$name" \
                 --recipes "$r" --seeds "$s" "${after[@]}" \
-                --set train.max_steps="${STEPS:-2000}" --set train.eval_every=200 \
+                ${STEPS:+--set train.max_steps=$STEPS} --set train.eval_every=200 \
                 > "$WORK/seeds/$name.log" 2>&1 < /dev/null &
         done
     done
@@ -211,7 +211,7 @@ speed)
             sets="--eval-sets ${SPEED_SETS:-math_heldout,code_heldout}"
             [ -n "$first" ] || { first=$drafter; [ "${FIRST_ALL:-1}" = 0 ] || sets=""; }
             "${R[@]}" --out "$WORK/seeds/$name" --recipes "$r" --seeds "$s" $sets "${VARIANT[@]}" \
-                --set train.max_steps="${STEPS:-2000}" --set train.eval_every=200 --set evaluate.target_step=compiled \
+                ${STEPS:+--set train.max_steps=$STEPS} --set train.eval_every=200 --set evaluate.target_step=compiled \
                 --set evaluate.num_prompts="${EVAL_PROMPTS:-32}" --methods dflash,ar > "$rep/$name.log" 2>&1 \
                 && done_runs+=("$WORK/seeds/$name") || echo "speed of $name failed"
             grep -h "speed-up" "$rep/$name.log" | cut -c1-160 || true
