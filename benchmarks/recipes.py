@@ -124,7 +124,7 @@ def prepare_data(cfg: dict, target: str | None, data: Path, device: str, log) ->
     for name, spec in cfg["datasets"].items():
         if spec["use"] != "train":
             continue
-        expanded[name] = data / f"expanded_{name}.parquet"
+        expanded[name] = expanded_path(cfg, name, data)
         if not expanded[name].exists():
             t0 = time.time()
             expand_prompts(str(prompts[name]), target, s, str(expanded[name]), device=device, log=log)
@@ -137,12 +137,21 @@ def prepare_data(cfg: dict, target: str | None, data: Path, device: str, log) ->
     return prompts, target
 
 
+def expanded_path(cfg: dict, name: str, data: Path) -> Path:
+    """A training dataset's replies, named by its spec and the expansion's settings: a dataset or an
+    `expand` key changed under the same name is expanded again, never read from the old file. One
+    ``--data`` folder holds one target's replies."""
+    return data / f"expanded_{name}_{digest([cfg['datasets'][name], cfg['expand'], cfg['seed']])}.parquet"
+
+
 def tokenized_dir(cfg: dict, data: Path) -> Path:
-    """One tokenized dataset per way of reading the replies and per set of training datasets (the
-    expansions, one per dataset, are shared): a mix with another dataset is tokenized again."""
+    """One tokenized dataset per way of reading the replies and per mix: its name carries the
+    expansions' names (each dataset's spec and the expansion's settings), the tokenize section and
+    the block size. A mix with another dataset, or replies read another way, is tokenized again."""
     tk = cfg["tokenize"]
     train = sorted(name for name, spec in cfg["datasets"].items() if spec["use"] == "train")
-    return data / f"tokenized_{tk['cut_replies']}_{tk['reply_ids']}_{digest([[n, cfg['datasets'][n]] for n in train])}"
+    key = [[expanded_path(cfg, n, data).name for n in train], tk, cfg["drafter"]["block_size"]]
+    return data / f"tokenized_{tk['cut_replies']}_{tk['reply_ids']}_{digest(key)}"
 
 
 def digest(obj) -> str:

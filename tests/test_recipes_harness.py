@@ -1,5 +1,6 @@
 """benchmarks/recipes.py's data keys: a dataset added by --set reaches the config, and a mix with
-another training dataset, or a dataset with another spec, gets files of its own (never the old ones)."""
+another training dataset, a dataset with another spec or other expansion settings, gets files of its
+own (never the old ones)."""
 
 import importlib.util
 import sys
@@ -43,3 +44,21 @@ def test_another_mix_or_spec_gets_a_tokenized_set_and_prompts_of_its_own(tmp_pat
     limited = recipes.merged_config([], ["datasets.math.limit=10"])
     assert recipes.tokenized_dir(limited, data) != first
     assert recipes.digest(limited["datasets"]["math"]) != recipes.digest(base["datasets"]["math"])
+
+
+def test_changed_expansion_settings_get_replies_and_a_tokenized_set_of_their_own(tmp_path):
+    recipes = _recipes()
+    data = tmp_path / "data"
+    base = recipes.merged_config([], [])
+    first = recipes.expanded_path(base, "math", data)
+    assert first.name.startswith("expanded_math_") and first == recipes.expanded_path(recipes.merged_config([], []), "math", data)
+    longer = recipes.merged_config([], ["expand.max_new_tokens=17"])
+    assert recipes.expanded_path(longer, "math", data) != first
+    assert recipes.tokenized_dir(longer, data) != recipes.tokenized_dir(base, data)
+    assert recipes.expanded_path(longer, "code", data) != recipes.expanded_path(base, "code", data)
+    # the tokenize section and the block size name the tokenized set, not the replies
+    other = recipes.merged_config([], ["tokenize.buckets=[64]"])
+    assert recipes.expanded_path(other, "math", data) == first
+    assert recipes.tokenized_dir(other, data) != recipes.tokenized_dir(base, data)
+    block = recipes.merged_config([], ["drafter.block_size=4"])
+    assert recipes.tokenized_dir(block, data) != recipes.tokenized_dir(base, data)
