@@ -140,17 +140,23 @@ def prepare_data(cfg: dict, target: str | None, data: Path, device: str, log) ->
 def expanded_path(cfg: dict, name: str, data: Path) -> Path:
     """A training dataset's replies, named by its spec and the expansion's settings: a dataset or an
     `expand` key changed under the same name is expanded again, never read from the old file. One
-    ``--data`` folder holds one target's replies."""
-    return data / f"expanded_{name}_{digest([cfg['datasets'][name], cfg['expand'], cfg['seed']])}.parquet"
+    ``--data`` folder holds one target's replies. Keys that change no reply (threads, a server's
+    concurrency: the schema's operational ones) are left out, as the workflow leaves them out."""
+    from dflashpipe.jobs.settings import result_params
+
+    key = [cfg["datasets"][name], result_params(cfg, "expand"), cfg["seed"]]
+    return data / f"expanded_{name}_{digest(key)}.parquet"
 
 
 def tokenized_dir(cfg: dict, data: Path) -> Path:
     """One tokenized dataset per way of reading the replies and per mix: its name carries the
     expansions' names (each dataset's spec and the expansion's settings), the tokenize section and
     the block size. A mix with another dataset, or replies read another way, is tokenized again."""
+    from dflashpipe.jobs.settings import result_params
+
     tk = cfg["tokenize"]
     train = sorted(name for name, spec in cfg["datasets"].items() if spec["use"] == "train")
-    key = [[expanded_path(cfg, n, data).name for n in train], tk, cfg["drafter"]["block_size"]]
+    key = [[expanded_path(cfg, n, data).name for n in train], result_params(cfg, "tokenize"), cfg["drafter"]["block_size"]]
     return data / f"tokenized_{tk['cut_replies']}_{tk['reply_ids']}_{digest(key)}"
 
 

@@ -56,6 +56,8 @@ def test_changed_expansion_settings_get_replies_and_a_tokenized_set_of_their_own
     assert recipes.expanded_path(longer, "math", data) != first
     assert recipes.tokenized_dir(longer, data) != recipes.tokenized_dir(base, data)
     assert recipes.expanded_path(longer, "code", data) != recipes.expanded_path(base, "code", data)
+    # a key that changes no reply (operational: threads) keeps the replies
+    assert recipes.expanded_path(recipes.merged_config([], ["expand.threads=7"]), "math", data) == first
     # the tokenize section and the block size name the tokenized set, not the replies
     other = recipes.merged_config([], ["tokenize.buckets=[64]"])
     assert recipes.expanded_path(other, "math", data) == first
