@@ -86,7 +86,7 @@ seeds)
     # runs share it). LABEL/SET: a variant (VARIANT above), e.g. SET='train.repeat={code: 5}'
     mkdir -p "$WORK/seeds"
     after=(--train-only)
-    [ -z "${TAU_SETS:-}" ] || after=(--eval-sets "$TAU_SETS" --set evaluate.target_step=static
+    [ -z "${TAU_SETS:-}" ] || after=(--eval-sets "$TAU_SETS" --set evaluate.target_step=static --tau-only
                                      --set evaluate.num_prompts="${EVAL_PROMPTS:-32}" --methods dflash)
     after+=("${VARIANT[@]}")
     for r in $RECIPE_LIST; do
@@ -101,8 +101,9 @@ seeds)
     sleep 5; pgrep -af "recipes.py.*$WORK/seeds/" | cut -c1-120 || echo "no run started"
     ;;
 wait)
-    # until every run of `seeds` has ended, at most WAIT_S seconds; then their curves and logs to OUT
-    # (and the taus of runs that evaluated them: summary.md)
+    # until every run of `seeds` has ended, at most WAIT_S seconds; then their curves and logs to OUT,
+    # and summary.md: tau over the runs that evaluated it, speed over those `speed` timed alone (after
+    # `speed`, a second `wait` gives the recipe table)
     end=$((SECONDS + ${WAIT_S:-540}))
     while pgrep -f "recipes.py.*$WORK/seeds/" > /dev/null && [ $SECONDS -lt $end ]; do sleep 15; done
     mkdir -p "$ARG" "$WORK/report_seeds"
@@ -121,7 +122,7 @@ wait)
         evaluated=$(for d in "$WORK"/seeds/*/; do if [ -f "$d/runs.csv" ]; then echo "$d"; fi; done)
         if [ -n "$evaluated" ]; then
             python3 benchmarks/recipes.py --out "$WORK/report_seeds" --combine $evaluated
-            sed -i '1i **Tau only**: every evaluation shared the GPU, so its speed-ups are not speed figures (`speed` runs alone).\n' \
+            sed -i '1i Tau over every run; speed-ups only from runs timed alone by `speed` (their number in brackets).\n' \
                 "$WORK/report_seeds/summary.md"
         fi
     fi
