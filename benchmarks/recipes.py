@@ -250,7 +250,7 @@ def summarise(rows, out: Path) -> None:
              "train ctx tok/s | train peak MiB | seeds |", "|" + " --- |" * 10]
     for (dataset, recipe), r in summary.iterrows():
         def cell(f, fmt="{:.2f}"):
-            if r[f + "_mean"] != r[f + "_mean"]:  # NaN: no seed has this figure
+            if pd.isna(r[f + "_mean"]):  # no seed has this figure (runs evaluated for tau only)
                 return "-"
             return f"{fmt.format(r[f + '_mean'])} ({fmt.format(r[f + '_min'])}-{fmt.format(r[f + '_max'])})"
 
