@@ -11,8 +11,10 @@
 #                                                       # unpacks them instead of expanding again
 #   bash benchmarks/gpu_smollm2.sh seeds                # RECIPES x SEEDS (default: dflash2 x 0 1 2), one run
 #                                                       # each, in the background (setsid): they outlive the call;
-#                                                       # TAU_SETS=a,b: each then evaluates its tau on those sets
-#   bash benchmarks/gpu_smollm2.sh wait   OUT           # until the seeds' runs end (or WAIT_S); report
+#                                                       # TAU_SETS=a,b: each then evaluates its tau on those sets;
+#                                                       # SPEED_AFTER=1: then `speed`, in the background too
+#   bash benchmarks/gpu_smollm2.sh wait   OUT           # until the seeds' runs (and SPEED_AFTER's speed) end,
+#                                                       # or WAIT_S; report
 #   bash benchmarks/gpu_smollm2.sh speed  OUT           # each seed's drafter alone on the GPU: compiled
 #                                                       # AR beside it, the AR floor, the DFlash step split
 #                                                       # (FIRST_ALL=0: no run on every eval set; FLOOR=0: no floor;
@@ -21,6 +23,9 @@
 #
 # On a machine with the registry, `data` can start from the installed package instead:
 #   GGUF=$(python -c '...') bash benchmarks/gpu_smollm2.sh data -
+# A machine stays warm 30 s after a call: a later call that comes later finds a fresh one, and the runs
+# and /tmp of the last are gone. Hence SPEED_AFTER: once `seeds` has started, every further call is the
+# same `wait`, ready to send the moment the last returns.
 # Data: config/smollm2.yaml's mix (27,681 prompts), expanded once by the batched backend; tokenized
 # once per way of reading the replies (tokenize.cut_replies x tokenize.reply_ids; RULES=all: four).
 set -euo pipefail
@@ -99,13 +104,20 @@ seeds)
         done
     done
     sleep 5; pgrep -af "recipes.py.*$WORK/seeds/" | cut -c1-120 || echo "no run started"
+    # SPEED_AFTER: `speed` once every run has ended (its report under $WORK/speed_out; `wait` returns it)
+    if [ -n "${SPEED_AFTER:-}" ]; then setsid nohup bash "$0" after > "$WORK/after.log" 2>&1 < /dev/null & fi
+    ;;
+after)
+    while pgrep -f "recipes.py.*$WORK/seeds/" > /dev/null; do sleep 15; done
+    bash "$0" speed "$WORK/speed_out"
     ;;
 wait)
     # until every run of `seeds` has ended, at most WAIT_S seconds; then their curves and logs to OUT,
     # and summary.md: tau over the runs that evaluated it, speed over those `speed` timed alone (after
     # `speed`, a second `wait` gives the recipe table)
     end=$((SECONDS + ${WAIT_S:-540}))
-    while pgrep -f "recipes.py.*$WORK/seeds/" > /dev/null && [ $SECONDS -lt $end ]; do sleep 15; done
+    busy() { pgrep -f "recipes.py.*$WORK/seeds/|gpu_smollm2.sh after" > /dev/null; }
+    while busy && [ $SECONDS -lt $end ]; do sleep 15; done
     mkdir -p "$ARG" "$WORK/report_seeds"
     for f in "$WORK"/seeds/*.log; do
         name=$(basename "$f" .log)
@@ -116,7 +128,12 @@ wait)
         cp "$WORK/seeds/$name"/runs/*/metrics.csv "$WORK/report_seeds/${name}_metrics.csv" 2>/dev/null \
             || cp "$WORK/seeds/$name"/runs/*/checkpoints/*/metrics.csv "$WORK/report_seeds/${name}_metrics.csv" 2>/dev/null || true
     done
-    if ! pgrep -f "recipes.py.*$WORK/seeds/" > /dev/null; then
+    if [ -f "$WORK/after.log" ]; then  # SPEED_AFTER's speed stage: its console, and its report so far
+        echo "speed (SPEED_AFTER): $(tail -3 "$WORK/after.log" | cut -c1-160)"
+        cp "$WORK/after.log" "$WORK/report_seeds/speed_console.log"
+        [ ! -d "$WORK/speed_out" ] || tar czf "$ARG/speed_out.tar.gz" -C "$WORK" speed_out
+    fi
+    if ! busy; then
         python3 benchmarks/plot_data_curve.py "$WORK/seeds" "$WORK/report_seeds/data_curve.png" \
             | tee "$WORK/report_seeds/data_curve.txt" || true
         evaluated=$(for d in "$WORK"/seeds/*/; do if [ -f "$d/runs.csv" ]; then echo "$d"; fi; done)
