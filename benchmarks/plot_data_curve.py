@@ -1,10 +1,12 @@
 """The data-and-steps curve: held-out simulated tau and accuracy against training samples seen.
 
-Reads the ``metrics.csv`` of every recipes.py run under RUNS (``RUNS/<name>/runs/<recipe>_s<seed>/``),
-plots one line per run and prints, per run, where its simulated tau comes within 2% of its last value
-(the samples it took to flatten).
+Reads the ``metrics.csv`` of every recipes.py run under each RUNS folder (``RUNS/<name>/runs/<recipe>_s<seed>/``)
+or, from a committed report, every ``<name>_metrics.csv`` in it or the one named (no batch size there:
+against steps), plots
+one line per run and prints, per run, where its simulated tau comes within 2% of its last value (the
+samples it took to flatten).
 
-    python benchmarks/plot_data_curve.py RUNS curve.png
+    python benchmarks/plot_data_curve.py RUNS [RUNS...] curve.png
 """
 
 from __future__ import annotations
@@ -29,28 +31,36 @@ def curves(runs: Path) -> dict[str, pd.DataFrame]:
         summary = json.loads((metrics.parent / "summary.json").read_text())
         df["samples"] = df["step"] * int(summary.get("global_batch") or summary.get("batch_size") or 0)
         out[f"{metrics.parents[2].name} ({metrics.parent.name})"] = df
+    # a committed report's copies: the folder's, or the one file named
+    for metrics in [runs] if runs.is_file() else sorted(runs.glob("*_metrics.csv")):
+        df = pd.read_csv(metrics).dropna(subset=["heldout_sim_tau"])
+        df["samples"] = 0
+        out[f"{metrics.name.removesuffix('_metrics.csv')} ({metrics.parent.parent.name}/{metrics.parent.name})"] = df
     return out
 
 
-def flattened_at(df: pd.DataFrame) -> int:
-    """Samples seen when the held-out simulated tau first comes within FLAT of its last value, to stay."""
+def flattened_at(df: pd.DataFrame, x: pd.Series) -> int:
+    """x (samples or steps) when the held-out simulated tau first comes within FLAT of its last value, to stay."""
     last = df["heldout_sim_tau"].iloc[-1]
     close = (df["heldout_sim_tau"] >= (1 - FLAT) * last).tolist()
     first = next(i for i in range(len(close)) if all(close[i:]))
-    return int(df["samples"].iloc[first])
+    return int(x.iloc[first])
 
 
-def main(runs: str, png: str) -> int:
-    data = curves(Path(runs))
+def main(*args: str) -> int:
+    *runs, png = args
+    data = {name: df for r in runs for name, df in curves(Path(r)).items()}
+    by_samples = all(df["samples"].max() > 0 for df in data.values())
+    unit = "samples" if by_samples else "steps"
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for name, df in data.items():
-        x = df["samples"] if df["samples"].max() > 0 else df["step"]
+        x = df["samples"] if by_samples else df["step"]
         axes[0].plot(x, df["heldout_sim_tau"], marker=".", label=name)
         axes[1].plot(x, df["heldout_acc"], marker=".", label=name)
-        print(f"{name}: simulated tau {df['heldout_sim_tau'].iloc[-1]:.2f} at {int(x.iloc[-1]):,} samples; "
-              f"within {FLAT:.0%} of it from {flattened_at(df):,} samples")
+        print(f"{name}: simulated tau {df['heldout_sim_tau'].iloc[-1]:.2f} at {int(x.iloc[-1]):,} {unit}; "
+              f"within {FLAT:.0%} of it from {flattened_at(df, x):,} {unit}")
     for ax, title in zip(axes, ["held-out simulated tau", "held-out accuracy (block positions)"]):
-        ax.set_xlabel("training samples seen")
+        ax.set_xlabel("training samples seen" if by_samples else "training steps")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
@@ -60,4 +70,4 @@ def main(runs: str, png: str) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(*sys.argv[1:3]))
+    raise SystemExit(main(*sys.argv[1:]))
