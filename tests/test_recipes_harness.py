@@ -1,6 +1,6 @@
-"""benchmarks/recipes.py's data keys: a dataset added by --set reaches the config, and a mix with
-another training dataset, a dataset with another spec or other expansion settings, gets files of its
-own (never the old ones)."""
+"""The benchmark harness. benchmarks/recipes.py's data keys: a dataset added by --set reaches the
+config, and a mix with another training dataset, a dataset with another spec or other expansion
+settings, gets files of its own (never the old ones); its table; benchmarks/plot_data_curve.py's inputs."""
 
 import importlib.util
 import sys
@@ -84,3 +84,25 @@ def test_a_tau_only_run_adds_its_tau_and_no_speed_to_the_table(tmp_path):
     assert "| 4.50 (4.00-5.00) |" in row and "| 2.50 (2.50-2.50) (1) |" in row and row.endswith("| 2 |")
     recipes.summarise([shared], tmp_path)  # no run timed: no speed-up
     assert "| - (0) |" in (tmp_path / "summary.md").read_text().splitlines()[2]
+
+
+def test_the_data_curve_reads_run_trees_and_committed_reports_together(tmp_path, capsys):
+    """plot_data_curve.py: a run tree is plotted against samples (its summary's batch), a report's
+    NAME_metrics.csv copies against steps; several folders and single files in one figure."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import plot_data_curve
+
+    report = REPO / "benchmarks" / "results" / "smollm2_h200_s23" / "train"
+    run = tmp_path / "seeds" / "ce" / "runs" / "dflash_ce_s0"
+    run.mkdir(parents=True)
+    (run / "metrics.csv").write_text((report / "dflash_ce_s0_metrics.csv").read_text())
+    (run / "summary.json").write_text('{"global_batch": 16}')
+    assert plot_data_curve.main(str(tmp_path / "seeds"), str(tmp_path / "a.png")) == 0
+    assert "ce (dflash_ce_s0): simulated tau 3.99 at 48,000 samples; within 2% of it from 41,600 samples" in capsys.readouterr().out
+    s22 = REPO / "benchmarks" / "results" / "smollm2_h200_s22" / "train" / "dflash2_mix_s0_metrics.csv"
+    assert plot_data_curve.main(str(report), str(s22), str(tmp_path / "b.png")) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["dflash_ce_s0 (smollm2_h200_s23/train): simulated tau 3.99 at 3,000 steps; within 2% of it from 2,600 steps",
+                   "dflash_kl_s0 (smollm2_h200_s23/train): simulated tau 3.92 at 3,000 steps; within 2% of it from 2,600 steps",
+                   "dflash2_mix_s0 (smollm2_h200_s22/train): simulated tau 4.69 at 3,000 steps; within 2% of it from 2,600 steps"]
+    assert (tmp_path / "a.png").stat().st_size > 0 and (tmp_path / "b.png").stat().st_size > 0
