@@ -23,9 +23,9 @@
 #
 # On a machine with the registry, `data` can start from the installed package instead:
 #   GGUF=$(python -c '...') bash benchmarks/gpu_smollm2.sh data -
-# A machine stays warm 30 s after a call: a later call that comes later finds a fresh one, and the runs
-# and /tmp of the last are gone. Hence SPEED_AFTER: once `seeds` has started, every further call is the
-# same `wait`, ready to send the moment the last returns.
+# A machine lent call by call goes back when no call follows at once; the next call then finds a fresh
+# one, without the last one's runs and /tmp. Hence SPEED_AFTER: once `seeds` has started, every further
+# call is the same `wait`, ready to send the moment the last returns.
 # Data: config/smollm2.yaml's mix (27,681 prompts), expanded once by the batched backend; tokenized
 # once per way of reading the replies (tokenize.cut_replies x tokenize.reply_ids; RULES=all: four).
 set -euo pipefail
