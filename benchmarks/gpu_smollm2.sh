@@ -67,6 +67,10 @@ RUNS=("default dflash2 0 cut_loop generated" "dspark dspark 0 cut_loop generated
       "dflash_kl dflash_kl 0 cut_loop generated" "dflash_ce dflash_ce 0 cut_loop generated"
       "text dflash2 0 cut_loop text" "drop dflash2 0 drop generated" "mask_end dflash2 0 mask_end generated")
 
+# the runs `seeds` started (training or evaluating), and with them SPEED_AFTER's driver
+SEEDS_RUNS="recipes.py.*$WORK/seeds/"
+busy() { pgrep -f "$SEEDS_RUNS|gpu_smollm2.sh after" > /dev/null; }
+
 report() {  # DIR OUT: DIR's files as OUT/NAME.tar.gz, its .md and .png files beside it
     mkdir -p "$2"
     tar czf "$2/$(basename "$1").tar.gz" -C "$(dirname "$1")" "$(basename "$1")"
@@ -103,12 +107,12 @@ seeds)
                 > "$WORK/seeds/$name.log" 2>&1 < /dev/null &
         done
     done
-    sleep 5; pgrep -af "recipes.py.*$WORK/seeds/" | cut -c1-120 || echo "no run started"
+    sleep 5; pgrep -af "$SEEDS_RUNS" | cut -c1-120 || echo "no run started"
     # SPEED_AFTER: `speed` once every run has ended (its report under $WORK/speed_out; `wait` returns it)
     if [ -n "${SPEED_AFTER:-}" ]; then setsid nohup bash "$0" after > "$WORK/after.log" 2>&1 < /dev/null & fi
     ;;
 after)
-    while pgrep -f "recipes.py.*$WORK/seeds/" > /dev/null; do sleep 15; done
+    while pgrep -f "$SEEDS_RUNS" > /dev/null; do sleep 15; done
     bash "$0" speed "$WORK/speed_out"
     ;;
 wait)
@@ -116,7 +120,6 @@ wait)
     # and summary.md: tau over the runs that evaluated it, speed over those `speed` timed alone (after
     # `speed`, a second `wait` gives the recipe table)
     end=$((SECONDS + ${WAIT_S:-540}))
-    busy() { pgrep -f "recipes.py.*$WORK/seeds/|gpu_smollm2.sh after" > /dev/null; }
     while busy && [ $SECONDS -lt $end ]; do sleep 15; done
     mkdir -p "$ARG" "$WORK/report_seeds"
     for f in "$WORK"/seeds/*.log; do

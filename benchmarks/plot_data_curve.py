@@ -2,9 +2,8 @@
 
 Reads the ``metrics.csv`` of every recipes.py run under each RUNS folder (``RUNS/<name>/runs/<recipe>_s<seed>/``)
 or, from a committed report, every ``<name>_metrics.csv`` in it or the one named (no batch size there:
-against steps), plots
-one line per run and prints, per run, where its simulated tau comes within 2% of its last value (the
-samples it took to flatten).
+against steps). Plots one line per run and prints, per run, where its simulated tau comes within 2% of
+its last value (the samples it took to flatten).
 
     python benchmarks/plot_data_curve.py RUNS [RUNS...] curve.png
 """
