@@ -323,6 +323,8 @@ def main() -> int:
                     help="runs share the GPU: record tau, not speed (the combined table times only the others)")
     ap.add_argument("--eval-sets", help="evaluate on these eval datasets only (comma-separated; default: all)")
     ap.add_argument("--combine", nargs="+", help="summarise the runs.csv of these earlier --out folders into --out")
+    ap.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
+                    help="with --combine: name OLD's rows NEW (e.g. a variant's label the recipe now is)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -339,7 +341,9 @@ def main() -> int:
     if a.combine:
         import pandas as pd
 
-        rows = pd.concat([pd.read_csv(Path(d) / "runs.csv") for d in a.combine]).to_dict("records")
+        runs = pd.concat([pd.read_csv(Path(d) / "runs.csv") for d in a.combine])
+        runs["recipe"] = runs["recipe"].replace(dict(r.split("=", 1) for r in a.rename))
+        rows = runs.to_dict("records")
         summarise(rows, out)
         if a.copy_to:
             copy_summary(out, Path(a.copy_to))

@@ -66,7 +66,7 @@ def test_changed_expansion_settings_get_replies_and_a_tokenized_set_of_their_own
     assert recipes.tokenized_dir(block, data) != recipes.tokenized_dir(base, data)
 
 
-def test_a_tau_only_run_adds_its_tau_and_no_speed_to_the_table(tmp_path):
+def test_a_tau_only_run_adds_its_tau_and_no_speed_to_the_table(tmp_path, monkeypatch):
     """Runs that shared the GPU (--tau-only) count for tau; the speed-up is the mean of the runs timed alone."""
     recipes = _recipes()
     train = {"heldout_sim_tau": 4.1, "heldout_acc": 0.6, "heldout_loss": 1.0, "tokens_per_s": 1e4, "steps": 10,
@@ -84,6 +84,15 @@ def test_a_tau_only_run_adds_its_tau_and_no_speed_to_the_table(tmp_path):
     assert "| 4.50 (4.00-5.00) |" in row and "| 2.50 (2.50-2.50) (1) |" in row and row.endswith("| 2 |")
     recipes.summarise([shared], tmp_path)  # no run timed: no speed-up
     assert "| - (0) |" in (tmp_path / "summary.md").read_text().splitlines()[2]
+    # --combine: earlier tables' runs.csv in one table; --rename: a variant's label that names the recipe now
+    for name, rows in (("a", [recipes.row_of("mix", 0, "math", train, ev(4.0, 2.5))]), ("b", [shared])):
+        (tmp_path / name).mkdir()
+        recipes.summarise(rows, tmp_path / name)
+    monkeypatch.setattr(sys, "argv", ["recipes.py", "--out", str(tmp_path / "ab"), "--rename", "mix=r",
+                                      "--combine", str(tmp_path / "a"), str(tmp_path / "b")])
+    assert recipes.main() == 0
+    rows = (tmp_path / "ab" / "summary.md").read_text().splitlines()[2:]
+    assert len(rows) == 1 and rows[0].startswith("| math | r | 4.50 (4.00-5.00) |") and "| 2.50 (2.50-2.50) (1) |" in rows[0]
 
 
 def test_the_data_curve_reads_run_trees_and_committed_reports_together(tmp_path, capsys):
