@@ -3,7 +3,8 @@
 Reads the ``metrics.csv`` of every recipes.py run under each RUNS folder (``RUNS/<name>/runs/<recipe>_s<seed>/``)
 or, from a committed report, every ``<name>_metrics.csv`` in it or the one named (no batch size there:
 against steps). Plots one line per run and prints, per run, where its simulated tau comes within 2% of
-its last value (the samples it took to flatten).
+its last value (the samples it took to flatten). Seeds of one recipe (runs named ``<recipe>_s<seed>``)
+share a colour.
 
     python benchmarks/plot_data_curve.py RUNS [RUNS...] curve.png
 """
@@ -11,6 +12,7 @@ its last value (the samples it took to flatten).
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -29,11 +31,13 @@ def curves(runs: Path) -> dict[str, pd.DataFrame]:
         df = pd.read_csv(metrics).dropna(subset=["heldout_sim_tau"])
         summary = json.loads((metrics.parent / "summary.json").read_text())
         df["samples"] = df["step"] * int(summary.get("global_batch") or summary.get("batch_size") or 0)
+        df.attrs["run"] = metrics.parent.name
         out[f"{metrics.parents[2].name} ({metrics.parent.name})"] = df
     # a committed report's copies: the folder's, or the one file named
     for metrics in [runs] if runs.is_file() else sorted(runs.glob("*_metrics.csv")):
         df = pd.read_csv(metrics).dropna(subset=["heldout_sim_tau"])
         df["samples"] = 0
+        df.attrs["run"] = metrics.name.removesuffix("_metrics.csv")
         out[f"{metrics.name.removesuffix('_metrics.csv')} ({metrics.parent.parent.name}/{metrics.parent.name})"] = df
     return out
 
@@ -52,10 +56,17 @@ def main(*args: str) -> int:
     by_samples = all(df["samples"].max() > 0 for df in data.values())
     unit = "samples" if by_samples else "steps"
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    recipes = {name: re.sub(r"_s\d+$", "", df.attrs["run"]) for name, df in data.items()}
+    colours: dict[str, str] = {}
     for name, df in data.items():
         x = df["samples"] if by_samples else df["step"]
-        axes[0].plot(x, df["heldout_sim_tau"], marker=".", label=name)
-        axes[1].plot(x, df["heldout_acc"], marker=".", label=name)
+        recipe = recipes[name]
+        seeds = list(recipes.values()).count(recipe)
+        # a recipe's seeds: one colour, one legend entry
+        label = name if seeds == 1 else "_" if recipe in colours else f"{recipe} ({seeds} runs)"
+        colour = colours.setdefault(recipe, f"C{len(colours) % 10}")
+        axes[0].plot(x, df["heldout_sim_tau"], marker=".", color=colour, label=label)
+        axes[1].plot(x, df["heldout_acc"], marker=".", color=colour, label=label)
         print(f"{name}: simulated tau {df['heldout_sim_tau'].iloc[-1]:.2f} at {int(x.iloc[-1]):,} {unit}; "
               f"within {FLAT:.0%} of it from {flattened_at(df, x):,} {unit}")
     for ax, title in zip(axes, ["held-out simulated tau", "held-out accuracy (block positions)"]):
