@@ -66,26 +66,35 @@ def test_changed_expansion_settings_get_replies_and_a_tokenized_set_of_their_own
     assert recipes.tokenized_dir(block, data) != recipes.tokenized_dir(base, data)
 
 
-def test_a_tau_only_run_adds_its_tau_and_no_speed_to_the_table(tmp_path, monkeypatch):
+TRAIN = {"heldout_sim_tau": 4.1, "heldout_acc": 0.6, "heldout_loss": 1.0, "tokens_per_s": 1e4, "steps": 10,
+         "ranks": [{"peak_mem_mb": 100.0}], "wall_s": 1.0}
+
+
+def _ev(tau, speedup):
+    """An evaluation's figures on one set, as evaluate_one returns them."""
+    return {"methods": {"dflash": {"tau_pooled": tau, "tau_mean": tau, "speedup_vs_ar": speedup, "tokens_per_s": 2e3},
+                        "ar": {"tokens_per_s": 800.0, "mode": "compiled"}}, "lossless": {"passed": True}}
+
+
+def test_a_tau_only_run_adds_its_tau_and_no_speed_to_the_table(tmp_path):
     """Runs that shared the GPU (--tau-only) count for tau; the speed-up is the mean of the runs timed alone."""
     recipes = _recipes()
-    train = {"heldout_sim_tau": 4.1, "heldout_acc": 0.6, "heldout_loss": 1.0, "tokens_per_s": 1e4, "steps": 10,
-             "ranks": [{"peak_mem_mb": 100.0}], "wall_s": 1.0}
-
-    def ev(tau, speedup):
-        return {"methods": {"dflash": {"tau_pooled": tau, "tau_mean": tau, "speedup_vs_ar": speedup, "tokens_per_s": 2e3},
-                            "ar": {"tokens_per_s": 800.0, "mode": "compiled"}}, "lossless": {"passed": True}}
-
-    alone = recipes.row_of("r", 0, "math", train, ev(4.0, 2.5))
-    shared = recipes.row_of("r", 1, "math", train, ev(5.0, 0.9), timed=False)  # its 0.9x: a GPU shared by others
+    alone = recipes.row_of("r", 0, "math", TRAIN, _ev(4.0, 2.5))
+    shared = recipes.row_of("r", 1, "math", TRAIN, _ev(5.0, 0.9), timed=False)  # its 0.9x: a GPU shared by others
     assert shared["tau_pooled"] == 5.0 and shared["speedup_vs_ar"] is None and shared["ar_tokens_per_s"] is None
     recipes.summarise([alone, shared], tmp_path)
     row = (tmp_path / "summary.md").read_text().splitlines()[2]
     assert "| 4.50 (4.00-5.00) |" in row and "| 2.50 (2.50-2.50) (1) |" in row and row.endswith("| 2 |")
     recipes.summarise([shared], tmp_path)  # no run timed: no speed-up
     assert "| - (0) |" in (tmp_path / "summary.md").read_text().splitlines()[2]
-    # --combine: earlier tables' runs.csv in one table; --rename: a variant's label that names the recipe now
-    for name, rows in (("a", [recipes.row_of("mix", 0, "math", train, ev(4.0, 2.5))]), ("b", [shared])):
+
+
+def test_combined_tables_name_a_variant_by_its_recipe(tmp_path, monkeypatch):
+    """--combine: earlier tables' runs.csv in one table; --rename: a variant's label, the recipe it now is."""
+    recipes = _recipes()
+    mix = recipes.row_of("mix", 0, "math", TRAIN, _ev(4.0, 2.5))
+    shared = recipes.row_of("r", 1, "math", TRAIN, _ev(5.0, 0.9), timed=False)
+    for name, rows in (("a", [mix]), ("b", [shared])):
         (tmp_path / name).mkdir()
         recipes.summarise(rows, tmp_path / name)
     monkeypatch.setattr(sys, "argv", ["recipes.py", "--out", str(tmp_path / "ab"), "--rename", "mix=r",
