@@ -42,6 +42,8 @@ mkdir -p "$WORK"
 # EVAL_ATTENTION=sdpa: the evaluation's compiled steps attend with SDPA, as before flex (evaluate.attention)
 R=(python3 benchmarks/recipes.py --config "${CONFIG:-config/smollm2.yaml}" --target "$TARGET" --data "$DATA"
    ${ATTENTION:+--set train.attention=$ATTENTION} ${EVAL_ATTENTION:+--set evaluate.attention=$EVAL_ATTENTION})
+# the training settings of `seeds` and `speed`: the same in both, or `speed` would train its runs again
+SEED_TRAIN=(${STEPS:+--set train.max_steps=$STEPS} --set train.eval_every=200)
 # runs that share the GPU compile each into a cache of its own (no two processes writing one cache),
 # with COMPILE_THREADS inductor workers each (default 2: nine runs' workers on the box's 16 cores)
 own_cache() {
@@ -103,8 +105,7 @@ seeds)
             name=${r}${LABEL:+_$LABEL}_s$s
             env $(own_cache "$WORK/cache/$name") setsid nohup "${R[@]}" --out "$WORK/seeds/$name" \
                 --recipes "$r" --seeds "$s" "${after[@]}" \
-                ${STEPS:+--set train.max_steps=$STEPS} --set train.eval_every=200 \
-                > "$WORK/seeds/$name.log" 2>&1 < /dev/null &
+                "${SEED_TRAIN[@]}" > "$WORK/seeds/$name.log" 2>&1 < /dev/null &
         done
     done
     sleep 5; pgrep -af "$SEEDS_RUNS" | cut -c1-120 || echo "no run started"
@@ -232,7 +233,7 @@ speed)
             sets="--eval-sets ${SPEED_SETS:-math_heldout,code_heldout}"
             [ -n "$first" ] || { first=$drafter; [ "${FIRST_ALL:-1}" = 0 ] || sets=""; }
             "${R[@]}" --out "$WORK/seeds/$name" --recipes "$r" --seeds "$s" $sets "${VARIANT[@]}" \
-                ${STEPS:+--set train.max_steps=$STEPS} --set train.eval_every=200 --set evaluate.target_step=compiled \
+                "${SEED_TRAIN[@]}" --set evaluate.target_step=compiled \
                 --set evaluate.num_prompts="${EVAL_PROMPTS:-32}" --methods dflash,ar > "$rep/$name.log" 2>&1 \
                 && done_runs+=("$WORK/seeds/$name") || echo "speed of $name failed"
             grep -h "speed-up" "$rep/$name.log" | cut -c1-160 || true
