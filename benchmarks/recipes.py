@@ -341,9 +341,15 @@ def main() -> int:
     if a.combine:
         import pandas as pd
 
-        runs = pd.concat([pd.read_csv(Path(d) / "runs.csv") for d in a.combine])
+        runs = pd.concat([pd.read_csv(Path(d) / "runs.csv").assign(folder=d) for d in a.combine])
         runs["recipe"] = runs["recipe"].replace(dict(r.split("=", 1) for r in a.rename))
-        rows = runs.to_dict("records")
+        twice = runs[runs.duplicated(["recipe", "seed", "dataset"], keep=False)]
+        if len(twice):  # e.g. a report and the speed report folded into it: one run would count as two seeds
+            r = twice.iloc[0]
+            sys.exit(f"recipes.py --combine: {r.recipe} seed {r.seed} on {r.dataset} is in "
+                     f"{' and '.join(twice[(twice.recipe == r.recipe) & (twice.seed == r.seed)].folder.unique())}: "
+                     "combine each run once")
+        rows = runs.drop(columns="folder").to_dict("records")
         summarise(rows, out)
         if a.copy_to:
             copy_summary(out, Path(a.copy_to))

@@ -6,6 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,6 +103,10 @@ def test_combined_tables_name_a_variant_by_its_recipe(tmp_path, monkeypatch):
     assert recipes.main() == 0
     rows = (tmp_path / "ab" / "summary.md").read_text().splitlines()[2:]
     assert len(rows) == 1 and rows[0].startswith("| math | r | 4.50 (4.00-5.00) |") and "| 2.50 (2.50-2.50) (1) |" in rows[0]
+    monkeypatch.setattr(sys, "argv", ["recipes.py", "--out", str(tmp_path / "aab"), "--rename", "mix=r",
+                                      "--combine", str(tmp_path / "a"), str(tmp_path / "ab")])
+    with pytest.raises(SystemExit, match=f"r seed 0 on math is in {tmp_path / 'a'} and {tmp_path / 'ab'}: combine"):
+        recipes.main()  # "ab" holds a's run already: it would count as a second seed
 
 
 def test_the_data_curve_reads_run_trees_and_committed_reports_together(tmp_path, capsys):
