@@ -62,6 +62,11 @@ def run_ok(work: Path, cfg: Path, *targets: str, **kw):
     return res
 
 
+# rank 1 killed as step 4 starts (checkpoint_every is 2): step 3's collectives came after rank 0 wrote step 2's
+# checkpoint, so the rerun resumes from step 2 (killed at step 3, rank 0 could still be writing it when stopped)
+KILL_RANK_1 = {"at": "train.step", "step": 4, "rank": 1, "do": "kill"}
+
+
 def faults(*items: dict, marker: Path | None = None) -> dict:
     extra = {"DFLASH_FAULTS": json.dumps(list(items))}
     if marker:
@@ -161,7 +166,7 @@ def test_a_killed_rank_and_a_failed_export_recover_on_a_plain_rerun(mini_run, mi
     drafter = ("results/train/final.safetensors", "results/drafter")
 
     forget_finished_runs(work)
-    res = run(work, cfg, *drafter, forcerun="train", env=faults({"at": "train.step", "step": 3, "rank": 1, "do": "kill"}))
+    res = run(work, cfg, *drafter, forcerun="train", env=faults(KILL_RANK_1))
     assert res.returncode != 0
     (line,) = {ln.split("  [")[0] for ln in error_lines(res.stderr)}
     assert "train rank 1 of 2 failed (exit code -9), the other ranks were stopped" in line
@@ -188,7 +193,7 @@ def test_a_reworded_log_message_in_the_training_code_resumes_a_killed_run(mini_r
     work, cfg = mini_copy
     targets = ("results/train/final.safetensors", "results/drafter")
     forget_finished_runs(work)
-    res = run(work, cfg, *targets, forcerun="train", env=faults({"at": "train.step", "step": 3, "rank": 1, "do": "kill"}))
+    res = run(work, cfg, *targets, forcerun="train", env=faults(KILL_RANK_1))
     assert res.returncode != 0
     train_py = REPO / "workflow/dflashpipe/drafter/loop.py"  # the loop logs the first step
     original = train_py.read_text()

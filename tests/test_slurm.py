@@ -27,7 +27,9 @@ from safetensors.torch import load_file
 import slurm_cluster
 from conftest import mini_config, snakemake, snakemake_cmd, snakemake_env, write_config
 
-FAULT_STEP = 3  # rank 1 parks at the start of step 3 (checkpoint_every is 2): the rerun resumes from step 2
+# rank 1 parks at the start of step 4 (checkpoint_every is 2): step 3's collectives came after rank 0 wrote
+# step 2's checkpoint, so the rerun resumes from step 2 (parked at step 3, rank 0 could still be writing it)
+FAULT_STEP, RESUME_STEP = 4, 2
 
 
 def _skip(reason: str):
@@ -146,7 +148,7 @@ def _parent(pid: int) -> int:
 
 
 def test_a_killed_node_fails_the_job_in_one_line_and_the_rerun_resumes(slurm, mini_run, mini_copy, tmp_path):
-    """Node n2's launcher is SIGKILLed while its rank waits at step 3: its rank dies with it, srun stops
+    """Node n2's launcher is SIGKILLed while its rank waits at step 4: its rank dies with it, srun stops
     n1's, the job fails with ONE line naming the node; the same command then resumes from step 2 and
     trains the same drafter."""
     ref, _ = mini_run
@@ -184,7 +186,7 @@ def test_a_killed_node_fails_the_job_in_one_line_and_the_rerun_resumes(slurm, mi
     res = through_slurm(work, cfg, slurm_env(slurm))
     print(f"rerun: {time.time() - t0:.0f} s")
     assert res.returncode == 0, explain(res, work)
-    assert f"resumed from step {FAULT_STEP - 1}" in rank_log(work, 0) and f"resumed from step {FAULT_STEP - 1}" in rank_log(work, 1)
+    assert f"resumed from step {RESUME_STEP}" in rank_log(work, 0) and f"resumed from step {RESUME_STEP}" in rank_log(work, 1)
     assert max_diff(work / "results/train/final.safetensors", ref / "results/train/final.safetensors") <= 1e-5
 
 
