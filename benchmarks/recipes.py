@@ -343,11 +343,12 @@ def main() -> int:
 
         runs = pd.concat([pd.read_csv(Path(d) / "runs.csv").assign(folder=d) for d in a.combine])
         runs["recipe"] = runs["recipe"].replace(dict(r.split("=", 1) for r in a.rename))
-        twice = runs[runs.duplicated(["recipe", "seed", "dataset"], keep=False)]
+        key = ["recipe", "seed", "dataset"]
+        twice = runs[runs.duplicated(key, keep=False)]
         if len(twice):  # e.g. a report and the speed report folded into it: one run would count as two seeds
             r = twice.iloc[0]
-            sys.exit(f"recipes.py --combine: {r.recipe} seed {r.seed} on {r.dataset} is in "
-                     f"{' and '.join(twice[(twice.recipe == r.recipe) & (twice.seed == r.seed)].folder.unique())}: "
+            where = twice[(twice[key] == r[key]).all(axis=1)].folder
+            sys.exit(f"recipes.py --combine: {r.recipe} seed {r.seed} on {r.dataset} is in {' and '.join(where)}: "
                      "combine each run once")
         rows = runs.drop(columns="folder").to_dict("records")
         summarise(rows, out)
