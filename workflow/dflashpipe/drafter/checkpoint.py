@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflashpipe.jobs.atomic import atomic_path, torch_save, write_json
+from dflashpipe.jobs.atomic import atomic_path, save_safetensors, torch_save, write_json
 from dflashpipe.jobs.errors import UserError
 from dflashpipe.jobs.faults import failpoint
 from dflashpipe.jobs.tracking import Tracker
@@ -284,14 +284,12 @@ def write_outputs(history_csv: Path, model_state: dict, meta: dict, summary: dic
     for a finished run: ``metrics_csv`` (a copy of the metrics history ``history_csv``), ``final_state``
     (the final weights ``model_state`` as safetensors with ``meta``, for the export rule,
     drafter/export.py: export_final; skipped when None) and ``summary_json`` (``summary``)."""
-    from safetensors.torch import save_file
-
     with atomic_path(metrics_csv) as tmp:
         shutil.copyfile(history_csv, tmp)
     if final_state:
         state = {k: v.detach().to("cpu").contiguous() for k, v in model_state.items()}
         with atomic_path(final_state) as tmp:
-            save_file(state, str(tmp), metadata=meta)
+            save_safetensors(state, tmp, metadata=meta)
     write_json(summary_json, summary)
 
 

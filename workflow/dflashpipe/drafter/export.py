@@ -44,9 +44,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from dflashpipe.jobs.atomic import atomic_path
+from dflashpipe.jobs.atomic import atomic_path, save_safetensors
 from dflashpipe.jobs.errors import UserError
 
 from .card import CARD_NAME, model_card
@@ -203,7 +203,7 @@ def save_drafter(
     out_dir = Path(out_dir)
     with atomic_path(out_dir, is_dir=True) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_safetensors(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
         shutil.copyfile(Path(__file__).with_name("hf_modeling.py"), tmp / CODE_NAME)
         if card is None:
             card = model_card(cfg, target=getattr(target_config, "_name_or_path", "") or "the target")

@@ -32,7 +32,7 @@ import torch
 
 from dflashpipe.drafter.export import CONFIG_NAME, WEIGHTS_NAME, layer_shape_config, load_drafter
 from dflashpipe.drafter.model import DrafterConfig
-from dflashpipe.jobs.atomic import atomic_path
+from dflashpipe.jobs.atomic import atomic_path, save_safetensors
 from dflashpipe.jobs.errors import UserError
 
 MODEL_TYPE = "muse_glimmer_assistant"
@@ -177,8 +177,6 @@ def export_hf_assistant(drafter_dir: str | os.PathLike, out_dir: str | os.PathLi
     (no remote code) for ``target.generate(..., assistant_model=it, speculation_type="dflash")``.
     The weights keep their dtype.
     """
-    from safetensors.torch import save_file
-
     drafter_dir = Path(drafter_dir)
     drafter, cfg = _supported(drafter_dir)
     state = {k: t.contiguous() for k, t in assistant_state_dict(drafter.state_dict()).items()}
@@ -186,7 +184,7 @@ def export_hf_assistant(drafter_dir: str | os.PathLike, out_dir: str | os.PathLi
     out_dir = Path(out_dir)
     with atomic_path(out_dir, is_dir=True) as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
-        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        save_safetensors(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
     return out_dir
 
 

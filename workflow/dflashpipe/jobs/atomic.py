@@ -4,7 +4,9 @@ Every file or directory a stage produces is first written under a temporary
 name in the same directory, then renamed into place (rename is atomic on POSIX
 within one filesystem). A killed job leaves at most a ``.tmp-*`` sibling, which
 the next attempt removes. The result gets the permissions any new file or
-directory gets under the process's umask (``mkstemp`` alone would leave 0600).
+directory gets under the process's umask (``mkstemp`` alone would leave 0600), set after
+the content is written: a writer that replaces the file it was given (safetensors' ``save_file``)
+or writes files of its own into a directory (``save_pretrained``) cannot leave them 0600.
 """
 
 from __future__ import annotations
@@ -33,9 +35,23 @@ def _umask() -> int:
 def _tmp_sibling(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
-    os.fchmod(fd, 0o666 & ~_umask())
     os.close(fd)
     return Path(tmp)
+
+
+def _set_modes(path: Path) -> None:
+    """The modes a new file (``0o666 & ~umask``) or directory (``0o777 & ~umask``) gets, on ``path`` and,
+    for a directory, everything inside it."""
+    mask = _umask()
+    if not path.is_dir():
+        os.chmod(path, 0o666 & ~mask)
+        return
+    os.chmod(path, 0o777 & ~mask)
+    for root, dirs, files in os.walk(path):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o777 & ~mask)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o666 & ~mask)
 
 
 @contextlib.contextmanager
@@ -52,6 +68,7 @@ def atomic_path(path: str | os.PathLike, is_dir: bool = False):
         tmp.mkdir()  # mode 0777 & ~umask
     try:
         yield tmp
+        _set_modes(tmp)
         if not is_dir:  # on disk before it is renamed into place: a power loss leaves the old file or the new one
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
@@ -78,3 +95,30 @@ def torch_save(obj, path: str | os.PathLike) -> None:
 
     with atomic_path(path) as tmp:
         torch.save(obj, tmp)
+
+
+def save_safetensors(state: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' ``save_file`` with the same bytes for the same tensors and metadata, every time.
+
+    safetensors writes the header's ``__metadata__`` in a random order (a hash map), so the same
+    weights came out as other bytes on every save; here the header is rewritten in place with the
+    metadata sorted (the same keys and values: the same length, so no offset moves). Use it inside
+    :func:`atomic_path` (or give it a fresh path).
+    """
+    import struct
+
+    from safetensors.torch import save_file
+
+    save_file(state, str(path), metadata=metadata)
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        raw = f.read(n)
+        header = json.loads(raw)
+        meta = header.pop("__metadata__", None)
+        ordered = ({"__metadata__": dict(sorted(meta.items()))} if meta else {}) | header
+        new = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode()
+        new += b" " * (n - len(new))  # the writer pads the header to 8 bytes with spaces
+        if len(new) != n:  # not the writer's compact JSON: leave its order rather than move every offset
+            return
+        f.seek(8)
+        f.write(new)
