@@ -86,7 +86,7 @@ def test_the_workflow_reads_the_registry():
     for m in METHODS:
         p = pipeline([m.name])
         assert p.needs_ar_draft() == (m.needs == AR_DRAFT), m.name
-        assert p.ar_draft_dir() == ([p.paths.ar_draft] if m.needs == AR_DRAFT else []), m.name
+        assert p.ar_draft_files() == (p.paths.ar_draft_files() if m.needs == AR_DRAFT else []), m.name
 
 
 def test_the_plot_labels_every_method(tmp_path, monkeypatch):

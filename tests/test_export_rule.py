@@ -27,7 +27,7 @@ def test_an_export_code_edit_reruns_the_export_only(mini_copy):
     original = export_py.read_text()
     try:
         export_py.write_text(original + CODE_EDIT)
-        res = snakemake(work, "results/drafter", "--cores", "2", "--configfile", str(cfg))
+        res = snakemake(work, "export", "--cores", "2", "--configfile", str(cfg))
     finally:
         export_py.write_text(original)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

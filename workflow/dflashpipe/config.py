@@ -262,21 +262,28 @@ def prepare_config(config: dict, source: str, user_files=(), cli_config: dict | 
     """What the workflow checks before any job runs, in one place; raises a one-line UserError.
 
     The user's datasets replace the shipped ones (:func:`user_datasets`), the config is
-    validated (defaults filled in), and a configured target is checked, including the
+    validated (defaults filled in), every dataset file is there, and a configured target is checked, including the
     drafter's MASK token (decided now from its files, not hours later in training) and the
     drafter keys that must fit its shape (:func:`_check_drafter_fits_target`).
     Returns lines worth showing the user.
     """
-    from dflashpipe.inputs.target import check_target_dir, resolve_mask_token
+    from dflashpipe.inputs.target import check_target_files, resolve_mask_token
 
     datasets = user_datasets(user_files, cli_config)
     if datasets is not None:
         config["datasets"] = copy.deepcopy(datasets)
     validate_config(config, str(SCHEMA_PATH), source, gpus, budget)
     notes = []
+    for name, spec in config["datasets"].items():
+        if spec.get("path"):
+            spec["path"] = repo_path(spec["path"])
+            if not os.path.isfile(spec["path"]):
+                raise UserError(f"{source}: datasets.{name}.path: {spec['path']} is not a file (a relative path is "
+                                "read from the working directory, then from the checkout); fix the path or remove "
+                                "the dataset")
     if config["target"]["path"] is not None:
         config["target"]["path"] = repo_path(config["target"]["path"])  # the shipped tiny target from any -d
-        check_target_dir(config["target"]["path"])
+        check_target_files(config["target"]["path"])
         mask_id, how = resolve_mask_token(config["target"]["path"], config["drafter"]["mask_token_id"])
         if config["drafter"]["mask_token_id"] is None:
             notes.append(f"drafter.mask_token_id: {mask_id}, {how}")

@@ -16,10 +16,13 @@ import importlib.metadata
 import os
 from pathlib import Path
 
+from dflashpipe.drafter.files import EXPORT_FILES
 from dflashpipe.evaluate.methods import METHODS, needs_ar_draft
-from dflashpipe.inputs.target import write_target_id
+from dflashpipe.inputs.target import SAVED_MODEL_FILES, target_fingerprint
+from dflashpipe.inputs.tokenize import TOKENIZED_FILES
 from dflashpipe.jobs.codedeps import script_digest
 from dflashpipe.jobs.compile_cache import COMPILE_CACHE
+from dflashpipe.jobs.filedigest import file_digest
 from dflashpipe.jobs.settings import canonical, compile_keys, on_server, result_params
 
 
@@ -53,7 +56,7 @@ class Paths:
         # the tiny default target (trained when no target.path is configured)
         self.target_model = f"{r}/target/model"
         self.target_metrics = f"{r}/target/metrics.json"
-        # the target's content fingerprint: what the rules read the target through (target.write_target_id)
+        # the target's content fingerprint: what the rules read a configured target through (rule target_id)
         self.target_id = f"{r}/target/fingerprint.json"
         # tokenized training data (one datasets dataset) and its statistics
         self.tokenized = f"{r}/tokenized/train"
@@ -68,6 +71,20 @@ class Paths:
         self.drafter = f"{r}/drafter"
         # the assisted-generation peer's draft model
         self.ar_draft = f"{r}/ar_draft"
+
+    # -- the files of the folders a stage writes as a whole: each is an output of its own, so that a file
+    # deleted from the folder makes the job run again (Snakemake dates a directory output by the folder)
+    def target_model_files(self) -> list[str]:
+        return [f"{self.target_model}/{f}" for f in SAVED_MODEL_FILES]
+
+    def tokenized_files(self) -> list[str]:
+        return [f"{self.tokenized}/{f}" for f in TOKENIZED_FILES]
+
+    def drafter_files(self) -> list[str]:
+        return [f"{self.drafter}/{f}" for f in EXPORT_FILES]
+
+    def ar_draft_files(self) -> list[str]:
+        return [f"{self.ar_draft}/{f}" for f in SAVED_MODEL_FILES]
 
     # -- stage outputs ----------------------------------------------------------
     def prompts(self, dataset: str = "{dataset}") -> str:
@@ -129,27 +146,25 @@ class Pipeline:
         move to another folder or name does not (:mod:`dflashpipe.jobs.codedeps`)."""
         return script_digest(self.lib, self.scripts / script)
 
-    # -- datasets ---------------------------------------------------------------------
-    def repo_path(self, p: str) -> str:
-        """A config path: absolute, or relative to the working directory, else to the repository."""
-        if os.path.isabs(p) or os.path.exists(p):
-            return p
-        return str(self.repo / p)  # the repository of the Snakefile (config.repo_path: of the library)
-
+    # -- datasets (their paths resolved and checked by dflashpipe.config.prepare_config) -------------
     def datasets_for(self, use: str) -> list[str]:
         return [name for name, spec in self.config["datasets"].items() if spec["use"] == use]
 
     def dataset_file(self, wildcards) -> list[str]:
-        """Input function: the dataset's local file (none for a Hugging Face dataset)."""
+        """Input function: the dataset's local file (none for a Hugging Face dataset); the rule reads it by
+        its content (:meth:`dataset_content`), not by its date."""
         spec = self.config["datasets"][wildcards.dataset]
-        return [self.repo_path(spec["path"])] if spec.get("path") else []
+        return [spec["path"]] if spec.get("path") else []
+
+    def dataset_content(self, wildcards) -> str | None:
+        """Params function: the sha256 of the dataset's local file, so that other content reruns its prompts
+        and a touch, or the same bytes written again, nothing (read once per file version: filedigest)."""
+        spec = self.config["datasets"][wildcards.dataset]
+        return file_digest(spec["path"]) if spec.get("path") else None
 
     def dataset_spec(self, wildcards) -> dict:
-        """Params function: the dataset's config entry, its path resolved."""
-        spec = dict(self.config["datasets"][wildcards.dataset])
-        if spec.get("path"):
-            spec["path"] = self.repo_path(spec["path"])
-        return spec
+        """Params function: the dataset's config entry."""
+        return dict(self.config["datasets"][wildcards.dataset])
 
     # -- target and its training data ---------------------------------------------------
     @property
@@ -162,12 +177,18 @@ class Pipeline:
             return self.config["target"]["path"]
         return self.paths.target_model
 
-    def note_target_content(self) -> None:
-        """At plan time: the target's fingerprint file, rewritten only when its content changed (a tiny
-        target not built yet gets it from its rule)."""
-        if self.builds_tiny_target and not os.path.isdir(self.target_dir()):
-            return
-        write_target_id(self.target_dir(), self.paths.target_id)
+    def target_fingerprint(self) -> str:
+        """A configured target's content fingerprint, read while the workflow plans (nothing is written: a
+        dry run writes nothing): rule target_id's param, so that a content change reruns what reads the
+        target, and a touch or the same bytes copied back nothing."""
+        return target_fingerprint(self.target_dir())
+
+    def target_inputs(self) -> list[str]:
+        """What a rule that reads the target takes as input: the fingerprint file; for the tiny target trained
+        here also its files (a file of it deleted or rewritten reruns what reads it)."""
+        if self.builds_tiny_target:
+            return [self.paths.target_id, *self.paths.target_model_files()]
+        return [self.paths.target_id]
 
     def tiny_target_prompts(self) -> dict:
         tiny = self.config["target"]["tiny"]
@@ -249,9 +270,9 @@ class Pipeline:
         """Whether a listed evaluation method needs the small AR draft (then rule ar_draft trains it)."""
         return needs_ar_draft(self.config["evaluate"]["methods"])
 
-    def ar_draft_dir(self) -> list[str]:
-        """The small AR draft model, when a listed evaluation method needs it."""
-        return [self.paths.ar_draft] if self.needs_ar_draft() else []
+    def ar_draft_files(self) -> list[str]:
+        """The small AR draft model's files, when a listed evaluation method needs it."""
+        return self.paths.ar_draft_files() if self.needs_ar_draft() else []
 
     @staticmethod
     def method_labels() -> dict[str, str]:
@@ -263,13 +284,15 @@ class Pipeline:
 
     # -- the default target ---------------------------------------------------------------
     def all_outputs(self) -> list[str]:
+        """Every file a user sees: each one deleted is made again by a plain rerun (with what reads it)."""
         p = self.paths
-        out = [p.prompts(name) for name in self.config["datasets"]]
+        out = [f for name in self.config["datasets"] for f in (p.prompts(name), p.prompts_stats(name))]
         if self.builds_tiny_target:
-            out.append(p.target_metrics)
-        out += [p.tokenized, p.tokenized_stats]
+            out += [*p.target_model_files(), p.target_metrics]
+        out += [p.expanded(name) for name in self.datasets_for("train")]
+        out += [*p.tokenized_files(), p.tokenized_stats]
         out += self.all_stamps()
-        out += [p.train_summary, p.train_metrics, p.train_final, p.drafter]
-        out += self.eval_summaries()
-        out += [p.plot("tau")]
+        out += [p.train_summary, p.train_metrics, p.train_final, *p.drafter_files(), *self.ar_draft_files()]
+        out += [f for d in self.datasets_for("eval") for f in (p.eval_summary(d), p.eval_samples(d))]
+        out += [p.table(name) for name in p.TABLES] + [p.plot(name) for name in p.PLOTS]
         return out

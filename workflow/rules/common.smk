@@ -40,10 +40,6 @@ except UserError as err:
 
 pipeline = Pipeline(config, repo=REPO)
 paths = pipeline.paths
-# the jobs' cache of big files' digests (a target's weights are read once per file version)
-share_cache(config["results"])
-# the rules read the target through its content fingerprint, written now when the content changed
-try:
-    pipeline.note_target_content()
-except UserError as err:
-    raise SystemExit(f"ERROR: {err}")
+# the jobs' cache of big files' digests (a target's weights are read once per file version); a dry run
+# reads it and writes nothing
+share_cache(config["results"], write=not workflow.output_settings.dryrun)

@@ -3,10 +3,10 @@ if pipeline.needs_ar_draft():
     rule ar_draft:
         """A 1-layer autoregressive draft with the target's tokenizer, for the methods that need it (assisted)."""
         input:
-            tokenized=paths.tokenized,
-            target_id=paths.target_id,
+            tokenized=paths.tokenized_files(),
+            target=pipeline.target_inputs(),
         output:
-            directory(paths.ar_draft),
+            paths.ar_draft_files(),
         log:
             paths.log("ar_draft", "ar_draft"),
         benchmark:
@@ -28,10 +28,10 @@ if pipeline.needs_ar_draft():
 rule evaluate:
     """DFlash speculative decoding vs. AR and peers on one held-out dataset; lossless check."""
     input:
-        target_id=paths.target_id,
-        drafter=paths.drafter,
+        target=pipeline.target_inputs(),
+        drafter=paths.drafter_files(),
         prompts=paths.prompts(),
-        ar_draft=pipeline.ar_draft_dir(),
+        ar_draft=pipeline.ar_draft_files(),
     output:
         samples=paths.eval_samples(),
         summary=paths.eval_summary(),

@@ -2,7 +2,7 @@ rule expand_shard:
     """The target regenerates the replies of one shard of a training dataset (resumable)."""
     input:
         prompts=paths.prompts(),
-        target_id=paths.target_id,
+        target=pipeline.target_inputs(),
     output:
         paths.expanded_shard(),
     log:

@@ -1,7 +1,8 @@
 rule prompts:
     """Load one configured dataset (local file or HF name) into the normal prompt table."""
     input:
-        data=pipeline.dataset_file,
+        # by content (params.content), not by date
+        data=ancient(pipeline.dataset_file),
     output:
         prompts=paths.prompts(),
         stats=paths.prompts_stats(),
@@ -15,5 +16,6 @@ rule prompts:
     params:
         code=pipeline.code("prompts.py"),
         spec=pipeline.dataset_spec,
+        content=pipeline.dataset_content,
     script:
         "../scripts/prompts.py"

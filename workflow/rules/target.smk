@@ -5,7 +5,7 @@ if pipeline.builds_tiny_target:
         input:
             **pipeline.tiny_target_prompts(),
         output:
-            model=directory(paths.target_model),
+            model=paths.target_model_files(),
             metrics=paths.target_metrics,
             target_id=paths.target_id,
         log:
@@ -22,3 +22,21 @@ if pipeline.builds_tiny_target:
             seed=config["seed"],
         script:
             "../scripts/tiny_target.py"
+
+else:
+
+    rule target_id:
+        """The configured target's content fingerprint, read while planning (rule all's first step): what
+        the rules read the target through."""
+        output:
+            paths.target_id,
+        log:
+            paths.log("target", "fingerprint"),
+        localrule: True
+        conda:
+            "../../envs/light.yaml"
+        params:
+            code=pipeline.code("target_id.py"),
+            fingerprint=pipeline.target_fingerprint(),
+        script:
+            "../scripts/target_id.py"

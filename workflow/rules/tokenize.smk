@@ -2,9 +2,9 @@ rule tokenize:
     """Chat template + assistant-only loss mask + length filter -> one datasets dataset."""
     input:
         expanded=pipeline.expanded_train(),
-        target_id=paths.target_id,
+        target=pipeline.target_inputs(),
     output:
-        data=directory(paths.tokenized),
+        data=paths.tokenized_files(),
         stats=paths.tokenized_stats,
     log:
         paths.log("tokenize", "tokenize"),

@@ -2,8 +2,8 @@ rule train:
     """ONE drafter run: K data-parallel ranks started together (one GPU each); waits for every warm stamp."""
     input:
         stamps=pipeline.all_stamps(),
-        tokenized=paths.tokenized,
-        target_id=paths.target_id,
+        tokenized=paths.tokenized_files(),
+        target=pipeline.target_inputs(),
     output:
         summary=paths.train_summary,
         metrics=paths.train_metrics,
@@ -37,12 +37,12 @@ rule export:
     """The drafter export from the run's final weights: an export-code edit reruns this, never training."""
     input:
         final=paths.train_final,
-        target_id=paths.target_id,
+        target=pipeline.target_inputs(),
         # what the model card tells of the run: its held-out figures and the data's size
         summary=paths.train_summary,
         stats=paths.tokenized_stats,
     output:
-        drafter=directory(paths.drafter),
+        drafter=paths.drafter_files(),
     log:
         paths.log("export", "export"),
     benchmark:

@@ -2,8 +2,8 @@ rule warm_slot:
     """Compile on GPU slot i alone, into its own cache, exactly what a shard runs; write a stamp."""
     input:
         previous=pipeline.previous_stamp,
-        tokenized=paths.tokenized,
-        target_id=paths.target_id,
+        tokenized=paths.tokenized_files(),
+        target=pipeline.target_inputs(),
     output:
         paths.warm_stamp(),
     log:

@@ -1,6 +1,7 @@
 from dflashpipe.evaluate.ar_draft import ARDraftConfig, train_ar_draft
 from dflashpipe.inputs.tokenize import load_tokenized
 from dflashpipe.jobs.lease import lease_for_job
+from dflashpipe.jobs.folders import folder_of
 from dflashpipe.jobs.runtime import job
 from dflashpipe.jobs.settings import settings
 
@@ -8,6 +9,6 @@ p = snakemake.params
 with job(snakemake.log[0], threads=snakemake.threads, name="ar_draft") as log:
     lease = lease_for_job(snakemake.config)
     cfg = settings(ARDraftConfig, snakemake.config["ar_draft"], p.cfg, seed=p.seed)  # max_minutes: read here
-    token_lists = load_tokenized(snakemake.input.tokenized)["input_ids"]
-    metrics = train_ar_draft(token_lists, snakemake.params.target, snakemake.output[0], cfg, log=log, device=lease.device)
+    token_lists = load_tokenized(folder_of(snakemake.input.tokenized))["input_ids"]
+    metrics = train_ar_draft(token_lists, snakemake.params.target, folder_of(snakemake.output), cfg, log=log, device=lease.device)
     log(f"AR draft: {metrics}")

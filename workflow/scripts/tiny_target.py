@@ -2,6 +2,7 @@ from dflashpipe.inputs.data import read_prompts
 from dflashpipe.inputs.target import write_target_id
 from dflashpipe.inputs.tiny_target import TinyTargetConfig, train_tiny_target
 from dflashpipe.jobs.errors import UserError
+from dflashpipe.jobs.folders import folder_of
 from dflashpipe.jobs.runtime import job
 from dflashpipe.jobs.settings import settings
 
@@ -18,8 +19,9 @@ with job(snakemake.log[0], threads=snakemake.threads, name="tiny_target") as log
     # the whole section (params hold the result-changing keys only to trigger reruns)
     cfg = settings(TinyTargetConfig, snakemake.config["target"]["tiny"], seed=snakemake.config["seed"])
     train = [c for path in snakemake.input.train for c in chats(path)]
-    metrics = train_tiny_target(train, chats(snakemake.input.heldout), cfg, snakemake.output.model, snakemake.output.metrics, log=log)
-    write_target_id(snakemake.output.model, snakemake.output.target_id)
+    model = folder_of(snakemake.output.model)
+    metrics = train_tiny_target(train, chats(snakemake.input.heldout), cfg, model, snakemake.output.metrics, log=log)
+    write_target_id(model, snakemake.output.target_id)
     log(
         f"held-out loss {metrics['heldout_loss']:.3f}, {metrics['tokens_per_second']:.0f} tok/s, "
         f"{metrics['train_minutes']:.1f} min, format ok {metrics['format_ok']:.0%}"

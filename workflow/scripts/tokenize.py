@@ -1,4 +1,5 @@
 from dflashpipe.inputs.tokenize import tokenize_expanded
+from dflashpipe.jobs.folders import folder_of
 from dflashpipe.jobs.runtime import job
 
 with job(snakemake.log[0], threads=snakemake.threads, name="tokenize") as log:
@@ -7,7 +8,7 @@ with job(snakemake.log[0], threads=snakemake.threads, name="tokenize") as log:
         snakemake.params.target,
         snakemake.params.block_size,
         snakemake.params.buckets,
-        snakemake.output.data,
+        folder_of(snakemake.output.data),
         snakemake.output.stats,
         chat_template_kwargs=snakemake.params.chat_template_kwargs,
         cut_replies=snakemake.params.cut_replies,

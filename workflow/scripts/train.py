@@ -1,5 +1,6 @@
 from dflashpipe.drafter.launch import run_training
 from dflashpipe.drafter.train import TrainConfig, TrainRun
+from dflashpipe.jobs.folders import folder_of
 from dflashpipe.jobs.runtime import job
 from dflashpipe.jobs.settings import settings
 
@@ -10,7 +11,7 @@ with job(snakemake.log.main, threads=snakemake.threads, name=f"train ({nodes} x 
     run = TrainRun(
         # the whole sections (params hold the result-changing keys only to trigger reruns)
         cfg=settings(TrainConfig, config["drafter"], config["train"], seed=config["seed"]),
-        tokenized_dir=snakemake.input.tokenized,
+        tokenized_dir=folder_of(snakemake.input.tokenized),
         target_dir=snakemake.params.target,
         run_dir=snakemake.params.run_dir,
         metrics_csv=snakemake.output.metrics,

@@ -28,7 +28,6 @@ import json
 import re
 from pathlib import Path
 
-CARD_NAME = "README.md"
 #: where the measured tau and speed-up of the run's evaluation end up (written after the export)
 EVAL_TABLE = "results/tables/eval.csv"
 #: the embedded default's training prompts, shipped in this checkout; their licence is stated in

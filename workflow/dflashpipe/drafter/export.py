@@ -49,16 +49,13 @@ from safetensors.torch import load_file
 from dflashpipe.jobs.atomic import atomic_path, save_safetensors
 from dflashpipe.jobs.errors import UserError
 
-from .card import CARD_NAME, model_card
+from .card import model_card
+from .files import CARD_NAME, CODE_NAME, CONFIG_NAME, WEIGHTS_NAME
 from .model import DFlashDrafter, DrafterConfig, default_target_layer_ids, expected_state_shapes
 
 if TYPE_CHECKING:  # copied beside the weights, not run here: a code dependency without its import time
     from . import hf_modeling  # noqa: F401
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-#: the remote code beside the weights: a copy of hf_modeling.py (what ``auto_map`` names)
-CODE_NAME = "dflash.py"
 #: the class of each architecture, as z-lab names them (``architectures`` and ``auto_map``)
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}
 #: as in z-lab's published DFlash drafters (e.g. z-lab/Qwen3-8B-DFlash-b16)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, replace
 
+from dflashpipe.inputs.target import check_saved_model
 from dflashpipe.inputs.tiny_target import TinyTargetConfig, build_model, train_lm
 from dflashpipe.jobs.errors import UserError
 from dflashpipe.jobs.settings import schema_settings
@@ -95,6 +96,7 @@ def train_ar_draft(chats_or_token_lists, target_dir: str, out_dir: str, cfg: ARD
     with atomic_path(out_dir, is_dir=True) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        check_saved_model(tmp)
         (tmp / "ar_draft_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     log(f"ar draft: {metrics['parameters'] / 1e6:.2f}M parameters, {metrics['steps']} steps, loss {metrics['first_loss']:.3f} -> {metrics['final_loss']:.3f}")
     return metrics

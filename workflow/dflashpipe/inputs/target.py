@@ -9,6 +9,21 @@ from pathlib import Path
 from dflashpipe.jobs.errors import UserError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+#: the files a model saved here has (``save_pretrained`` of a model and its tokenizer, with the pinned
+#: transformers): the workflow asks for each of them, so one deleted from the tiny target's or the AR
+#: draft's folder makes its job run again
+SAVED_MODEL_FILES = ("chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+                     "tokenizer.json", "tokenizer_config.json")
+
+
+def check_saved_model(path) -> None:
+    """After a save: fail with one line if ``path`` lacks a file of :data:`SAVED_MODEL_FILES` (another
+    transformers saves another set of files: the list is what the workflow asks for)."""
+    missing = [f for f in SAVED_MODEL_FILES if not (Path(path) / f).is_file()]
+    if missing:
+        raise UserError(f"{path}: save_pretrained wrote no {', '.join(missing)} (this transformers saves other "
+                        "files than dflashpipe.inputs.target.SAVED_MODEL_FILES lists); install the pinned "
+                        "requirements.txt")
 
 
 def check_target_dir(path: str, field: str = "target.path") -> Path:
@@ -22,6 +37,53 @@ def check_target_dir(path: str, field: str = "target.path") -> Path:
         raise UserError(f"{field}: {p} has no config.json; it is not a Hugging Face model directory")
     if not any(f.name.endswith(WEIGHT_SUFFIXES) for f in p.iterdir()):
         raise UserError(f"{field}: {p} has no weight files (*.safetensors / *.bin); it is not a saved model")
+    return p
+
+
+def _check_safetensors(f: Path, field: str) -> None:
+    """One line unless ``f``'s header reads and its size holds every tensor the header lists (a copy cut short,
+    a download that stopped)."""
+    import struct
+
+    size = f.stat().st_size
+    try:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > size - 8:
+                raise ValueError(f"a header of {n} bytes in a file of {size}")
+            header = json.loads(fh.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
+        raise UserError(f"{field}: {f} is not a readable safetensors file ({err}); copy the model again") from None
+    if size < 8 + n + end:
+        raise UserError(f"{field}: {f} is truncated ({size} bytes of the {8 + n + end} its header lists); copy the "
+                        "model again")
+
+
+def check_target_files(path: str, field: str = "target.path") -> Path:
+    """What the workflow checks of a configured target while it plans, before any job deletes an output:
+    a model directory (:func:`check_target_dir`) whose safetensors weights are whole (every shard an index
+    names is there) and whose tokenizer has a chat template. Reads headers only: no torch, no weights."""
+    p = check_target_dir(path, field)
+    index = p / "model.safetensors.index.json"
+    shards = sorted(p.glob("*.safetensors"))
+    if index.is_file():
+        try:
+            named = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as err:
+            raise UserError(f"{field}: {index} does not read ({err}); copy the model again") from None
+        missing = [n for n in named if not (p / n).is_file()]
+        if missing:
+            raise UserError(f"{field}: {index} names {', '.join(missing[:3])}, which {p} lacks; copy the model again")
+    for f in shards:
+        _check_safetensors(f, field)
+    if not (p / "tokenizer.json").is_file() and not (p / "tokenizer_config.json").is_file():
+        raise UserError(f"{field}: {p} has no tokenizer (tokenizer.json / tokenizer_config.json); save the tokenizer "
+                        "beside the model")
+    if not _tokenizer_facts(p)["template"]:
+        raise UserError(f"{field}: the tokenizer in {p} has no chat template (tokenizer_config.json chat_template or "
+                        "chat_template.jinja); the pipeline renders every prompt with it: add the template of the "
+                        "model's instruct version")
     return p
 
 

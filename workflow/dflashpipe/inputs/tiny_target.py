@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from dflashpipe.inputs.target import prompt_text
+from dflashpipe.inputs.target import check_saved_model, prompt_text
 from dflashpipe.jobs.atomic import atomic_path, write_json
 from dflashpipe.jobs.errors import UserError
 from dflashpipe.jobs.settings import schema_settings
@@ -287,5 +287,6 @@ def train_tiny_target(
     with atomic_path(out_dir, is_dir=True) as tmp:
         model.cpu().save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        check_saved_model(tmp)
     write_json(metrics_path, metrics)
     return metrics

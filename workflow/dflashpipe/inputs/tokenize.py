@@ -37,6 +37,10 @@ from dflashpipe.inputs.data import read_parquet
 from dflashpipe.jobs.atomic import atomic_path, write_json
 from dflashpipe.jobs.errors import UserError
 
+#: the files of the tokenized dataset (``datasets.save_to_disk`` in one shard): the workflow asks for each
+#: of them, so a file deleted from ``results/tokenized/train/`` makes the tokenize job run again
+TOKENIZED_FILES = ("data-00000-of-00001.arrow", "dataset_info.json", "state.json")
+
 
 def _ids(tokenizer, messages, add_generation_prompt, kwargs) -> list[int]:
     out = tokenizer.apply_chat_template(
@@ -292,7 +296,7 @@ def _save(records: list[dict], out_dir: str) -> None:
     )
     ds = datasets.Dataset.from_list(records, features=features)
     with atomic_path(out_dir, is_dir=True) as tmp:
-        ds.save_to_disk(str(tmp))
+        ds.save_to_disk(str(tmp), num_shards=1)
 
 
 def _stats(records: list[dict], rules: _Rules, tally: _Tally, per_dataset: dict, target_path: str) -> dict:

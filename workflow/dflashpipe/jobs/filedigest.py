@@ -30,9 +30,14 @@ from pathlib import Path
 ENV = "DFLASHPIPE_DIGEST_CACHE"
 
 
-def share_cache(results_dir: str | os.PathLike) -> None:
+#: set (to 1) when the cache is read but never written: a dry run writes nothing into results/
+READ_ONLY_ENV = "DFLASHPIPE_DIGEST_CACHE_READ_ONLY"
+
+
+def share_cache(results_dir: str | os.PathLike, write: bool = True) -> None:
     """Point this process and the jobs it starts at the results' digest cache (the Snakefile calls it)."""
     os.environ[ENV] = os.path.abspath(os.path.join(results_dir, ".cache", "file-digests.json"))
+    os.environ[READ_ONLY_ENV] = "" if write else "1"
 
 
 def _key(path: Path) -> str:
@@ -59,7 +64,7 @@ def file_digest(path: str | os.PathLike, cache: str | os.PathLike | None = None)
             return hit
     with open(path, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
-    if cache and _key(path) == key:  # not written to while it was read
+    if cache and _key(path) == key and not os.environ.get(READ_ONLY_ENV):  # not written to while it was read
         cache = Path(cache)
         with contextlib.suppress(OSError):
             cache.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,168 @@
+"""Nothing stale, nothing missing (through Snakemake, on copies of the mini run): every output a user
+sees is asked for by the default target, so one deleted is made again by a plain rerun; a target is read
+by its content while the workflow plans, a dry run writes nothing, and a target that cannot load is
+refused before any job deletes a finished output."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import planned_rules, snakemake
+
+# a deleted output -> the rules a dry run must plan first (with what reads it after)
+DELETED = {
+    "results/prompts/math.stats.json": "prompts",
+    "results/target/model/model.safetensors": "tiny_target",
+    "results/expanded/math.parquet": "merge_expanded",
+    "results/tokenized/train/data-00000-of-00001.arrow": "tokenize",
+    "results/ar_draft/config.json": "ar_draft",
+    "results/drafter/model.safetensors": "export",
+    "results/eval/math_heldout.samples.parquet": "evaluate",
+    "results/tables/eval.csv": "tables",
+    "results/plots/compile_cold_vs_hot.png": "plots",
+}
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tree(results: Path) -> dict[str, tuple[int, str]]:
+    """Every file under results/ by its mtime and content: what "nothing was written" compares."""
+    return {str(p.relative_to(results)): (p.stat().st_mtime_ns, sha256(p)) for p in sorted(results.rglob("*")) if p.is_file()}
+
+
+def run(work: Path, cfg: Path, *args: str):
+    return snakemake(work, *args, "--cores", "2", "--configfile", str(cfg))
+
+
+@pytest.mark.parametrize("path", list(DELETED))
+def test_a_deleted_output_is_planned_again(mini_copy, path):
+    work, cfg = mini_copy
+    (work / path).unlink()
+    plan = planned_rules(work, "--configfile", str(cfg))
+    assert DELETED[path] in plan, plan
+
+
+def test_a_plain_rerun_makes_a_deleted_drafter_and_plot_again(mini_copy):
+    """The drafter's weights deleted from results/drafter/ (the next evaluation failed "file not found",
+    every plain rerun the same way): the plain rerun exports them again, byte for byte."""
+    work, cfg = mini_copy
+    weights, plot = work / "results/drafter/model.safetensors", work / "results/plots/training_loss_acc.png"
+    before = sha256(weights)
+    weights.unlink()
+    plot.unlink()
+    res = run(work, cfg)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sha256(weights) == before and plot.is_file()
+    assert planned_rules(work, "--configfile", str(cfg)) == {}
+
+
+def test_a_lost_tiny_target_is_trained_again_by_the_plain_rerun(mini_copy):
+    """target.path null and the tiny target's weights deleted: every command stopped while planning;
+    now the plain rerun trains it again (the same bytes: one thread, the same seed)."""
+    work, cfg = mini_copy
+    weights = work / "results/target/model/model.safetensors"
+    before = sha256(weights)
+    weights.unlink()
+    res = run(work, cfg, str(weights.relative_to(work)))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert sha256(weights) == before
+
+
+@pytest.fixture
+def given_target(mini_copy):
+    """The mini run's tiny target copied out as a user's target.path, with its prompts, fingerprint and
+    expansion made (the first jobs that read the target)."""
+    work, _ = mini_copy
+    target = work / "my_target"
+    shutil.copytree(work / "results/target/model", target)
+    cfg = yaml.safe_load((work / "config.yaml").read_text())
+    cfg["target"]["path"] = "my_target"
+    given = work / "given.yaml"
+    given.write_text(yaml.safe_dump(cfg))
+    res = run(work, given, "results/expanded/math.parquet")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return work, given, target
+
+
+def test_a_target_is_read_by_content_and_a_dry_run_writes_nothing(given_target):
+    """A touch or the same bytes copied back plan nothing; a fine-tune over the weights (same name and size)
+    plans the fingerprint and what reads the target; none of these dry runs writes a byte into results/
+    (the fingerprint was rewritten by every plan)."""
+    work, given, target = given_target
+    results, weights = work / "results", target / "model.safetensors"
+    only = "results/expanded/math.parquet"
+    original, before = weights.read_bytes(), tree(work / "results")
+
+    weights.touch()
+    assert planned_rules(work, only, "--configfile", str(given)) == {}
+    tuned = bytearray(original)
+    tuned[-64:] = bytes(255 - b for b in tuned[-64:])
+    weights.write_bytes(bytes(tuned))
+    assert set(planned_rules(work, only, "--configfile", str(given))) == {"target_id", "expand_shard", "merge_expanded"}
+    assert tree(results) == before
+    weights.write_bytes(original)
+    assert planned_rules(work, only, "--configfile", str(given)) == {}
+
+
+@pytest.mark.parametrize("damage, line", [
+    ("truncate", "ERROR: target.path: my_target/model.safetensors is truncated ("),
+    ("no_template", "ERROR: target.path: the tokenizer in my_target has no chat template ("),
+])
+def test_a_target_that_cannot_load_is_refused_while_planning(given_target, damage, line):
+    """Refused in one line before any job runs: the finished expansion (which Snakemake deletes before a
+    job that remakes it) is still there, byte for byte."""
+    work, given, target = given_target
+    before = tree(work / "results")
+    if damage == "truncate":
+        weights = target / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:5000])
+    else:
+        (target / "chat_template.jinja").unlink()
+    res = run(work, given, "results/expanded/math.parquet")
+    assert res.returncode != 0
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("ERROR")]
+    assert len(errors) == 1 and errors[0].startswith(line), res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    assert tree(work / "results") == before
+
+
+def test_a_dataset_file_is_read_by_content_and_a_missing_one_is_refused_while_planning(mini_copy):
+    """A touch plans nothing and other content replans its prompts; a dataset pointed at a file that is not
+    there stopped nothing (the run went on with the old prompts table): now one line while planning, and
+    nothing in results/ is touched."""
+    work, cfg = mini_copy
+    data = work / "my_math.jsonl.gz"
+    shutil.copy(yaml.safe_load(cfg.read_text())["datasets"]["math"]["path"], data)
+    c = yaml.safe_load(cfg.read_text())
+    c["datasets"]["math"]["path"] = "my_math.jsonl.gz"
+    mine = work / "mine.yaml"
+    mine.write_text(yaml.safe_dump(c))
+    only = "results/prompts/math.parquet"
+    res = run(work, mine, only)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    data.touch()
+    assert planned_rules(work, only, "--configfile", str(mine)) == {}
+    original = data.read_bytes()
+    data.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    assert set(planned_rules(work, only, "--configfile", str(mine))) == {"prompts"}
+    data.write_bytes(original)
+    assert planned_rules(work, only, "--configfile", str(mine)) == {}
+
+    before = tree(work / "results")
+    c["datasets"]["math"]["path"] = "gone.jsonl.gz"
+    mine.write_text(yaml.safe_dump(c))
+    for args in (["-n"], []):
+        res = run(work, mine, *args)
+        assert res.returncode != 0
+        assert res.stderr.strip().splitlines()[-1] == (
+            f"ERROR: {mine}: datasets.math.path: gone.jsonl.gz is not a file (a relative path is read from the "
+            "working directory, then from the checkout); fix the path or remove the dataset")
+    assert tree(work / "results") == before
