@@ -6,6 +6,7 @@ refused before any job deletes a finished output."""
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
@@ -166,3 +167,72 @@ def test_a_dataset_file_is_read_by_content_and_a_missing_one_is_refused_while_pl
             f"ERROR: {mine}: datasets.math.path: gone.jsonl.gz is not a file (a relative path is read from the "
             "working directory, then from the checkout); fix the path or remove the dataset")
     assert tree(work / "results") == before
+
+
+# a job kind -> the target that runs it
+FULL_DISK = {
+    "prompts": "results/prompts/math.parquet",
+    "tiny_target": "results/target/metrics.json",
+    "expand_shard": "results/expanded/math/shard0.parquet",
+    "merge_expanded": "results/expanded/math.parquet",
+    "tokenize": "tokenize",
+    "warm_slot": "results/warm/slot0.json",
+    "train": "results/train/summary.json",
+    "export": "export",
+    "ar_draft": "ar_draft",
+    "evaluate": "results/eval/math_heldout.summary.json",
+    "tables": "tables",
+    "plots": "plots",
+}
+
+
+@pytest.fixture
+def full_results():
+    """results/ moved onto a tmpfs that a thread keeps full to the last byte (it takes back at once what
+    Snakemake frees by deleting a job's old outputs); unmounted after, the files beneath it unchanged."""
+    import subprocess
+    import threading
+    import time
+
+    mounted, stop = [], threading.Event()
+
+    def fill(path: Path) -> None:
+        with open(path, "ab", buffering=0) as f:
+            while not stop.is_set():
+                try:
+                    f.write(b"\0" * 4096)
+                except OSError:
+                    time.sleep(0.005)
+
+    def make(results: Path) -> None:
+        size = sum(f.stat().st_size for f in results.rglob("*") if f.is_file())
+        kept = results.with_name("results.kept")
+        results.rename(kept)
+        results.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size + (4 << 20)}", "tmpfs", str(results)], check=True)
+        mounted.append(results)
+        subprocess.run(["cp", "-a", f"{kept}/.", str(results)], check=True)
+        threading.Thread(target=fill, args=(results / ".filler",), daemon=True).start()
+        while shutil.disk_usage(results).free > 0:
+            time.sleep(0.01)
+
+    yield make
+    stop.set()
+    for results in mounted:
+        subprocess.run(["umount", "-l", str(results)], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root)")
+@pytest.mark.parametrize("kind", list(FULL_DISK))
+def test_a_full_disk_is_one_line_for_every_job_kind(mini_copy, full_results, kind):
+    """Every job kind on a full filesystem (its log's too): one ERROR line naming where under results/ and
+    "no space left on device" (was a 20-line traceback, or torch's "unexpected pos"), no traceback."""
+    work, cfg = mini_copy
+    full_results(work / "results")
+    res = snakemake(work, FULL_DISK[kind], "--cores", "2", "--forcerun", kind, "--configfile", str(cfg))
+    assert res.returncode != 0
+    errors = {ln.split("  [")[0] for ln in res.stderr.splitlines() if ln.startswith("ERROR")}
+    assert len(errors) == 1, res.stderr[-3000:]
+    (line,) = errors
+    assert "no space left on device writing " in line and "results/" in line, line
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]

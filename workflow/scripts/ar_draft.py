@@ -6,7 +6,7 @@ from dflashpipe.jobs.runtime import job
 from dflashpipe.jobs.settings import settings
 
 p = snakemake.params
-with job(snakemake.log[0], threads=snakemake.threads, name="ar_draft") as log:
+with job(snakemake.log[0], threads=snakemake.threads, name="ar_draft", outputs=snakemake.output) as log:
     lease = lease_for_job(snakemake.config)
     cfg = settings(ARDraftConfig, snakemake.config["ar_draft"], p.cfg, seed=p.seed)  # max_minutes: read here
     token_lists = load_tokenized(folder_of(snakemake.input.tokenized))["input_ids"]

@@ -7,7 +7,7 @@ from dflashpipe.jobs.runtime import job
 from dflashpipe.jobs.settings import settings
 
 p = snakemake.params
-with job(snakemake.log[0], threads=snakemake.threads, name=f"evaluate {snakemake.wildcards.dataset}") as log:
+with job(snakemake.log[0], threads=snakemake.threads, name=f"evaluate {snakemake.wildcards.dataset}", outputs=snakemake.output) as log:
     lease = lease_for_job(snakemake.config)
     log(f"leased slot {lease.slot}: device {lease.device}")
     use_leased_slot_cache(snakemake.config, lease, log)

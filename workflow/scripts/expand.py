@@ -5,7 +5,7 @@ from dflashpipe.jobs.settings import on_server, settings
 from dflashpipe.stages.expand import ExpandSettings, expand_prompts
 from dflashpipe.stages.expand_openai import ServerSettings
 
-with job(snakemake.log[0], threads=snakemake.threads, name=f"expand {snakemake.wildcards.dataset} shard {snakemake.wildcards.shard}") as log:
+with job(snakemake.log[0], threads=snakemake.threads, name=f"expand {snakemake.wildcards.dataset} shard {snakemake.wildcards.shard}", outputs=snakemake.output) as log:
     p = snakemake.params
     expand_settings = settings(ExpandSettings, snakemake.config["expand"], seed=p.seed)  # seed: 0 when greedy
     server = settings(ServerSettings, snakemake.config["expand"]["server"])  # operational: read at run time

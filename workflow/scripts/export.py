@@ -2,7 +2,7 @@ from dflashpipe.drafter.export import export_final
 from dflashpipe.jobs.folders import folder_of
 from dflashpipe.jobs.runtime import job
 
-with job(snakemake.log[0], threads=snakemake.threads, name="export") as log:
+with job(snakemake.log[0], threads=snakemake.threads, name="export", outputs=snakemake.output) as log:
     run = {"target": snakemake.params.target, "datasets": snakemake.params.datasets,
            "stats": snakemake.input.stats, "summary": snakemake.input.summary}
     export_final(snakemake.input.final, snakemake.params.target, folder_of(snakemake.output.drafter), log=log, run=run)

@@ -2,7 +2,7 @@ from dflashpipe.jobs.runtime import job
 from dflashpipe.stages import plots
 
 i, o = snakemake.input, snakemake.output
-with job(snakemake.log[0], name="plots"):
+with job(snakemake.log[0], name="plots", outputs=snakemake.output):
     plots.tau_speedup(i.eval, o.tau, snakemake.params.method_labels)
     plots.per_position(i.positions, o.positions)
     plots.histogram(i.histogram, o.histogram)

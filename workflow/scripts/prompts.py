@@ -1,6 +1,6 @@
 from dflashpipe.inputs.data import prepare_prompts
 from dflashpipe.jobs.runtime import job
 
-with job(snakemake.log[0], threads=snakemake.threads, name=f"prompts {snakemake.wildcards.dataset}") as log:
+with job(snakemake.log[0], threads=snakemake.threads, name=f"prompts {snakemake.wildcards.dataset}", outputs=snakemake.output) as log:
     prepare_prompts(snakemake.params.spec, snakemake.wildcards.dataset, snakemake.output.prompts,
                     stats_path=snakemake.output.stats, log=log)

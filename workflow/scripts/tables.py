@@ -1,7 +1,7 @@
 from dflashpipe.jobs.runtime import job
 from dflashpipe.stages.tables import write_tables
 
-with job(snakemake.log[0], name="tables") as log:
+with job(snakemake.log[0], name="tables", outputs=snakemake.output) as log:
     write_tables(
         eval_summaries=dict(zip(snakemake.params.datasets, snakemake.input.eval)),
         metrics_csv=snakemake.input.metrics,

@@ -15,7 +15,7 @@ def chats(path):
     return [list(p) + [{"role": "assistant", "content": r}] for p, r in zip(df["prompt"], df["reference"])]
 
 
-with job(snakemake.log[0], threads=snakemake.threads, name="tiny_target") as log:
+with job(snakemake.log[0], threads=snakemake.threads, name="tiny_target", outputs=snakemake.output) as log:
     # the whole section (params hold the result-changing keys only to trigger reruns)
     cfg = settings(TinyTargetConfig, snakemake.config["target"]["tiny"], seed=snakemake.config["seed"])
     train = [c for path in snakemake.input.train for c in chats(path)]

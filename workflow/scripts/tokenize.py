@@ -2,7 +2,7 @@ from dflashpipe.inputs.tokenize import tokenize_expanded
 from dflashpipe.jobs.folders import folder_of
 from dflashpipe.jobs.runtime import job
 
-with job(snakemake.log[0], threads=snakemake.threads, name="tokenize") as log:
+with job(snakemake.log[0], threads=snakemake.threads, name="tokenize", outputs=snakemake.output) as log:
     tokenize_expanded(
         dict(zip(snakemake.params.names, snakemake.input.expanded)),
         snakemake.params.target,

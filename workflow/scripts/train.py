@@ -7,7 +7,7 @@ from dflashpipe.jobs.settings import settings
 config = snakemake.config
 train = config["train"]
 shards, nodes = train["shards"], train["nodes"]
-with job(snakemake.log.main, threads=snakemake.threads, name=f"train ({nodes} x {shards} rank(s))") as log:
+with job(snakemake.log.main, threads=snakemake.threads, name=f"train ({nodes} x {shards} rank(s))", outputs=snakemake.output) as log:
     run = TrainRun(
         # the whole sections (params hold the result-changing keys only to trigger reruns)
         cfg=settings(TrainConfig, config["drafter"], config["train"], seed=config["seed"]),

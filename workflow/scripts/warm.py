@@ -11,7 +11,7 @@ from dflashpipe.jobs.settings import settings
 
 slot = int(snakemake.wildcards.slot)
 p = snakemake.params
-with job(snakemake.log[0], threads=snakemake.threads, name=f"warm_slot{slot}") as log:
+with job(snakemake.log[0], threads=snakemake.threads, name=f"warm_slot{slot}", outputs=snakemake.output) as log:
     started = time.time()
     lease = lease_for_job(snakemake.config, slot=slot)
     log(f"leased slot {slot}: device {lease.device} (CUDA_VISIBLE_DEVICES={lease.visible_devices})")

@@ -386,7 +386,8 @@ def rank_main(spec_path: str) -> None:
         raise UserError(f"train rank {rank}: WORLD_SIZE {os.environ['WORLD_SIZE']} is not the run's {run.world_size}")
     if rank != 0:
         os.environ.pop(CONSOLE_ENV, None)  # only rank 0 shows its progress on the job's console
-    with job(run.rank_logs[rank], threads=run.threads, name=f"train rank {rank}/{run.world_size}") as log:
+    with job(run.rank_logs[rank], threads=run.threads, name=f"train rank {rank}/{run.world_size}",
+             outputs=(run.summary_json,)) as log:
         device = allocation_device(local)  # the local rank's GPU of those the node's launcher was given
         log(f"rank {rank} = node {rank // run.shards} on {os.uname().nodename}, slot {local}: device "
             f"{device.device} (CUDA_VISIBLE_DEVICES={device.visible_devices})")

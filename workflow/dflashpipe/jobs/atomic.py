@@ -90,11 +90,21 @@ def write_json(path: str | os.PathLike, obj) -> None:
 
 
 def torch_save(obj, path: str | os.PathLike) -> None:
-    """``torch.save`` atomically (checkpoints)."""
+    """``torch.save`` atomically (checkpoints). A write that fails on a full disk is an ``OSError`` (ENOSPC,
+    naming the file) as any other write's: torch reports it as ``RuntimeError: [enforce fail at
+    inline_container.cc] . unexpected pos``."""
+    import errno
+
     import torch
 
     with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
+        try:
+            torch.save(obj, tmp)
+        except RuntimeError as err:
+            free = os.statvfs(tmp.parent)
+            if free.f_bavail * free.f_frsize >= 1 << 20:  # room left: another failure, as it was
+                raise
+            raise OSError(errno.ENOSPC, f"No space left on device ({str(err).splitlines()[0]})", str(path)) from err
 
 
 def save_safetensors(state: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:

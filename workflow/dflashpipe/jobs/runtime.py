@@ -12,7 +12,7 @@ import sys
 import time
 
 from dflashpipe.jobs.checkout import check_code
-from dflashpipe.jobs.errors import UserError
+from dflashpipe.jobs.errors import UserError, disk_full, disk_full_line
 
 
 def set_threads(n: int) -> None:
@@ -97,14 +97,15 @@ def _since_process_start() -> str:
 
 
 @contextlib.contextmanager
-def job(log_path: str | None, threads: int = 1, name: str = "job"):
+def job(log_path: str | None, threads: int = 1, name: str = "job", outputs=()):
     """Run a job body with stdout/stderr in ``log_path``, progress on the console, one-line user errors.
 
     Output is redirected at the file-descriptor level, so warnings from C
     extensions and tqdm bars land in the log too; the bars also show on the
     console, one line per job every ``PROGRESS_EVERY_S`` seconds. A :class:`UserError`
     is written to the log AND to the terminal's stderr as ``ERROR: ...``, then
-    the process exits with status 1 (no traceback wall). A training rank shows its
+    the process exits with status 1 (no traceback wall); so is a full disk, naming the file (else the
+    folder of ``outputs``, the job's). A training rank shows its
     progress on the console of the job that started it (``CONSOLE_ENV``).
     """
     global _console
@@ -130,15 +131,19 @@ def job(log_path: str | None, threads: int = 1, name: str = "job"):
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
-    log(f"{name}: start (pid {os.getpid()}, {threads} thread(s){_since_process_start()})")
     try:
+        log(f"{name}: start (pid {os.getpid()}, {threads} thread(s){_since_process_start()})")
         check_code()  # the library of the checkout that planned this job, or one line naming both
         set_threads(threads)
         yield log
-    except UserError as err:
-        line = f"ERROR: {err}"
-        print(line, file=sys.stderr, flush=True)
+        log(f"{name}: done in {time.time() - t0:.1f}s")
+    except Exception as err:
+        full = disk_full(err)
+        if not isinstance(err, UserError) and full is None:
+            raise
+        line = f"ERROR: {err}" if isinstance(err, UserError) else f"ERROR: {disk_full_line(full, name, outputs)}"
+        with contextlib.suppress(OSError):  # the log's disk may be the full one
+            print(line, file=sys.stderr, flush=True)
         if log_path:
             print(f"{line}  [{name}; log: {log_path}]", file=terminal, flush=True)
         raise SystemExit(1) from None
-    log(f"{name}: done in {time.time() - t0:.1f}s")
