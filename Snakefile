@@ -10,6 +10,8 @@
 # Run: snakemake --cores 2            (CPU, embedded default)
 #      snakemake --cores 8 --resources gpu=3
 
+import os
+
 from snakemake.utils import min_version
 
 min_version("9.0")
@@ -18,7 +20,14 @@ min_version("9.0")
 report: "workflow/report/workflow.rst"
 
 
-configfile: "config/config.yaml"
+# the working directory's config/config.yaml (a project folder of your own: snakemake -d PROJECT -s
+# CHECKOUT/Snakefile); without one, a --configfile alone (on the schema's defaults), else this checkout's.
+# As a module (`module: snakefile: ...`), the importer's config.
+CONFIGFILE = "config/config.yaml"
+_here = os.path.exists(CONFIGFILE) or workflow.overwrite_configfiles
+
+
+configfile: CONFIGFILE if _here else f"{workflow.basedir}/{CONFIGFILE}"
 
 
 include: "workflow/rules/common.smk"

@@ -174,3 +174,41 @@ def test_moving_library_modules_reruns_nothing(mini_copy, tmp_path):
     tok.write_text(tok.read_text() + CODE_EDIT)
     anything, out = planned()
     assert anything and "tokenize" in out, out[-2000:]
+
+
+def test_the_workflow_runs_from_another_folder_and_as_a_module(tmp_path):
+    """``snakemake -d DIR -s CHECKOUT/Snakefile`` finds the checkout's config/config.yaml (was: "Workflow
+    defines configfile config/config.yaml but it is not present"), or DIR's own; and a project folder of
+    a user's own (its config/config.yaml, its results/, the workflow imported with ``module``: the
+    snakedeploy layout) runs end to end and then plans nothing."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import REPO, snakemake_env
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    res = snakemake(elsewhere, "-n", "--quiet", "rules", "--cores", "2")
+    assert res.returncode == 0 and "train" in res.stdout + res.stderr, res.stderr[-2000:]
+    assert not (elsewhere / "results").exists()
+
+    project = tmp_path / "project"
+    (project / "config").mkdir(parents=True)
+    write_config(project / "config" / "config.yaml", mini_config())
+    shutil.copytree(REPO / "profiles" / "default", project / "profiles" / "default")
+    (project / "Snakefile").write_text(
+        'configfile: "config/config.yaml"\n\n\n'
+        f'module dflash:\n    snakefile:\n        "{REPO / "Snakefile"}"\n    config:\n        config\n\n\n'
+        "use rule * from dflash as dflash_*\n"
+    )
+
+    def run(*args: str) -> subprocess.CompletedProcess:  # the project's own Snakefile, from the project folder
+        return subprocess.run([sys.executable, "-m", "snakemake", *args], cwd=project, env=snakemake_env(),
+                              capture_output=True, text=True, timeout=600)
+
+    res = run("--cores", "2")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert (project / "results/drafter/model.safetensors").is_file() and (project / "results/plots/tau_speedup.png").is_file()
+    res = run("-n", "--cores", "2")
+    assert res.returncode == 0 and "Nothing to be done" in res.stdout + res.stderr, res.stdout[-2000:]

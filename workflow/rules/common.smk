@@ -6,7 +6,9 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(workflow.basedir)
+# the checkout (this file is its workflow/rules/common.smk): workflow.basedir is the importer's folder
+# when the workflow runs as a module of another
+REPO = Path(workflow.current_basedir).parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
 from dflashpipe.config import DATASET_NAME, prepare_config, run_gpus
