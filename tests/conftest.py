@@ -90,6 +90,13 @@ def snakemake(workdir: Path, *args: str, timeout: int = 600, env: dict | None = 
                           text=True, timeout=timeout)
 
 
+def sha256(path: Path) -> str:
+    """A file's content digest: what "the same bytes" and "nothing lost" compare."""
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def read_jsonl_gz(path: Path, n: int) -> list[dict]:
     with gzip.open(path, "rt") as f:
         return [json.loads(line) for _, line in zip(range(n), f)]

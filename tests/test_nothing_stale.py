@@ -5,7 +5,6 @@ refused before any job deletes a finished output."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import planned_rules, snakemake
+from conftest import planned_rules, sha256, snakemake
 
 # a deleted output -> the rules a dry run must plan first (with what reads it after)
 DELETED = {
@@ -27,10 +26,6 @@ DELETED = {
     "results/tables/eval.csv": "tables",
     "results/plots/compile_cold_vs_hot.png": "plots",
 }
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def tree(results: Path) -> dict[str, tuple[int, str]]:

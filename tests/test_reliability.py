@@ -25,18 +25,12 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from conftest import (REPO, mini_config, planned_after_edit, planned_rules, snakemake, snakemake_cmd, snakemake_env,
-                      write_config)
+from conftest import (REPO, mini_config, planned_after_edit, planned_rules, sha256, snakemake, snakemake_cmd,
+                      snakemake_env, write_config)
 
 
 def weights(work: Path) -> dict:
     return load_file(work / "results/drafter/model.safetensors")
-
-
-def sha256(path: Path) -> str:
-    import hashlib
-
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def max_diff(a: dict, b: dict) -> float:

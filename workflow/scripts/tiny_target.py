@@ -1,5 +1,5 @@
 from dflashpipe.inputs.data import read_prompts
-from dflashpipe.inputs.target import write_target_id
+from dflashpipe.inputs.target import target_fingerprint, write_target_id
 from dflashpipe.inputs.tiny_target import TinyTargetConfig, train_tiny_target
 from dflashpipe.jobs.errors import UserError
 from dflashpipe.jobs.folders import folder_of
@@ -21,7 +21,7 @@ with job(snakemake.log[0], threads=snakemake.threads, name="tiny_target", output
     train = [c for path in snakemake.input.train for c in chats(path)]
     model = folder_of(snakemake.output.model)
     metrics = train_tiny_target(train, chats(snakemake.input.heldout), cfg, model, snakemake.output.metrics, log=log)
-    write_target_id(model, snakemake.output.target_id)
+    write_target_id(snakemake.output.target_id, target_fingerprint(model))
     log(
         f"held-out loss {metrics['heldout_loss']:.3f}, {metrics['tokens_per_second']:.0f} tok/s, "
         f"{metrics['train_minutes']:.1f} min, format ok {metrics['format_ok']:.0%}"

@@ -169,24 +169,13 @@ def target_fingerprint(path: str) -> str:
     return h.hexdigest()[:16]
 
 
-def write_target_id(path: str, out: str) -> bool:
-    """Write the target's fingerprint to ``out`` (a small JSON file) unless it holds it already; True if written.
-
-    The rules read the target through this file, not the directory: Snakemake judges a directory
-    input by the directory's own mtime, which a file overwritten in place inside it leaves alone.
-    The workflow calls this while it plans (and the tiny_target rule beside its model), so a target
-    whose content changed reruns what reads it, and one merely touched or copied back reruns nothing.
-    """
+def write_target_id(out: str, fingerprint: str) -> None:
+    """Write a target's fingerprint (:func:`target_fingerprint`) to ``out``, the small JSON file the rules read
+    the target through: rule ``target_id`` for a configured target (the fingerprint read while planning is its
+    param) and rule ``tiny_target`` beside the model it trains."""
     from dflashpipe.jobs.atomic import write_json
 
-    content = {"fingerprint": target_fingerprint(path)}
-    try:
-        if json.loads(Path(out).read_text()) == content:
-            return False
-    except (OSError, ValueError):
-        pass
-    write_json(out, content)
-    return True
+    write_json(out, {"fingerprint": fingerprint})
 
 
 def describe_target(path: str) -> dict:
