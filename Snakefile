@@ -31,6 +31,7 @@ configfile: CONFIGFILE if _here else f"{workflow.basedir}/{CONFIGFILE}"
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/config.smk"
 include: "workflow/rules/prompts.smk"
 include: "workflow/rules/target.smk"
 include: "workflow/rules/expand.smk"

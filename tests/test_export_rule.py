@@ -47,5 +47,10 @@ def test_an_export_code_edit_reruns_the_export_only(mini_copy):
     assert f"{stats['samples']} samples, {stats['tokens']} tokens" in card
     assert f"| steps | {summary['steps']} " in card and f"{summary['heldout_acc']:.4f}" in card
     assert "--speculative-algorithm DFLASH" in card and '"num_speculative_tokens": 3' in card
+    # the config that trained it: the recipe line (the mini config's target is the embedded tiny one, so
+    # config/tiny_target.yaml filled what it leaves out: loss ce) and the deciding keys as YAML
+    assert ("`recipe: drafter.arch=dflash2 train.loss=ce drafter.num_layers=1 drafter.block_size=4 (the embedded "
+            "tiny target's 2-core demo recipe, config/tiny_target.yaml, under your config)`") in card
+    assert "  selector_rank: 64\n" in card and "  max_steps: 6\n" in card
     # the export ships the modeling file its config names
     assert (r / "drafter/dflash.py").read_text() == (REPO / "workflow/dflashpipe/drafter/hf_modeling.py").read_text()

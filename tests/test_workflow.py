@@ -98,7 +98,7 @@ def test_moving_the_checkout_reruns_nothing(tmp_path):
 
     first = tmp_path / "checkout"
     first.mkdir()
-    for item in ("Snakefile", "workflow", "profiles", "envs"):
+    for item in ("Snakefile", "workflow", "profiles", "envs", "config"):
         src = REPO / item
         (shutil.copytree(src, first / item, ignore=shutil.ignore_patterns("__pycache__"))
          if src.is_dir() else shutil.copy(src, first / item))
@@ -133,7 +133,7 @@ def test_moving_library_modules_reruns_nothing(mini_copy, tmp_path):
     work, cfg = mini_copy
     checkout = tmp_path / "checkout"
     checkout.mkdir()
-    for item in ("Snakefile", "workflow", "profiles", "envs"):
+    for item in ("Snakefile", "workflow", "profiles", "envs", "config"):
         src = REPO / item
         (shutil.copytree(src, checkout / item, ignore=shutil.ignore_patterns("__pycache__"))
          if src.is_dir() else shutil.copy2(src, checkout / item))

@@ -31,6 +31,11 @@ from dflashpipe.jobs.settings import SCHEMA_PATH, load_schema, on_server
 #: what a dataset's name may hold: it names files (results/prompts/<name>.parquet) and is a Snakemake wildcard
 DATASET_NAME = r"[A-Za-z0-9_.-]+"
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: config paths may be relative to it
+#: the tiny target this checkout ships, and its recipe: applied under the config files for it alone
+EMBEDDED_TARGET = REPO_ROOT / "resources" / "tiny_target"
+TINY_RECIPE = REPO_ROOT / "config" / "tiny_target.yaml"
+#: the keys that say what a drafter run trains: printed, checked and recorded with their values
+RECIPE_KEYS = ("drafter.arch", "train.loss", "drafter.num_layers", "drafter.block_size")
 
 
 def _fill_defaults(instance, schema):
@@ -257,12 +262,53 @@ def repo_path(p: str) -> str:
     return str(REPO_ROOT / p)
 
 
+def embedded_target(path) -> bool:
+    """Whether ``target.path`` is the embedded tiny target: null (trained here) or the shipped copy."""
+    return path is None or Path(repo_path(str(path))).resolve() == EMBEDDED_TARGET.resolve()
+
+
+def _fill_under(config: dict, layer: dict, prefix: str = "") -> list[str]:
+    """Set each key of ``layer`` that ``config`` leaves out (nested keys one by one); the dotted keys set."""
+    filled = []
+    for key, value in layer.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            filled += _fill_under(config[key], value, f"{prefix}{key}.")
+        elif key not in config:
+            config[key] = copy.deepcopy(value)
+            filled.append(f"{prefix}{key}")
+    return filled
+
+
+def apply_tiny_recipe(config: dict) -> bool:
+    """With the embedded tiny target, fill the keys the config files leave out from
+    config/tiny_target.yaml (before the schema's defaults); any other target: nothing. Whether it applied."""
+    target = config.get("target")
+    path = target.get("path") if isinstance(target, dict) else None
+    if not embedded_target(path):
+        return False
+    _fill_under(config, load_yaml(str(TINY_RECIPE)))
+    return True
+
+
+def recipe_line(config: dict) -> str:
+    """What the run trains, in one line: the recipe keys with their values, and whose recipe it is."""
+    def value(key):
+        section, name = key.split(".")
+        return config[section][name]
+
+    keys = " ".join(f"{k}={value(k)}" for k in RECIPE_KEYS)
+    whose = (f"the embedded tiny target's 2-core demo recipe, {TINY_RECIPE.relative_to(REPO_ROOT)}, under your config"
+             if embedded_target(config["target"]["path"]) else "the schema's recipe for a real target, under your config")
+    return f"recipe: {keys} ({whose})"
+
+
 def prepare_config(config: dict, source: str, user_files=(), cli_config: dict | None = None, gpus: int = 1,
                    budget: int | None = None) -> list[str]:
     """What the workflow checks before any job runs, in one place; raises a one-line UserError.
 
-    The user's datasets replace the shipped ones (:func:`user_datasets`), the config is
-    validated (defaults filled in), every dataset file is there, and a configured target is checked, including the
+    The user's datasets replace the shipped ones (:func:`user_datasets`), the embedded tiny target's
+    recipe fills what the files leave out (:func:`apply_tiny_recipe`), the config is validated (the
+    schema's defaults filled in), every dataset file is there, and a configured target is checked, including the
     drafter's MASK token (decided now from its files, not hours later in training) and the
     drafter keys that must fit its shape (:func:`_check_drafter_fits_target`).
     Returns lines worth showing the user.
@@ -272,8 +318,10 @@ def prepare_config(config: dict, source: str, user_files=(), cli_config: dict | 
     datasets = user_datasets(user_files, cli_config)
     if datasets is not None:
         config["datasets"] = copy.deepcopy(datasets)
+    if isinstance(config, dict):
+        apply_tiny_recipe(config)
     validate_config(config, str(SCHEMA_PATH), source, gpus, budget)
-    notes = []
+    notes = [recipe_line(config)]
     for name, spec in config["datasets"].items():
         if spec.get("path"):
             spec["path"] = repo_path(spec["path"])
@@ -289,6 +337,19 @@ def prepare_config(config: dict, source: str, user_files=(), cli_config: dict | 
             notes.append(f"drafter.mask_token_id: {mask_id}, {how}")
     _check_drafter_fits_target(config, source)
     return notes
+
+
+def write_effective_config(path: str, config: dict) -> str:
+    """Write the config a run uses as YAML (atomically), headed by its recipe line; returns that line."""
+    from dflashpipe.jobs.atomic import atomic_path
+
+    line = recipe_line(config)
+    head = ("# The config this run used, every key: the schema's defaults (workflow/schemas/config.schema.yaml),\n"
+            f"# then {TINY_RECIPE.relative_to(REPO_ROOT)} when the target is the embedded tiny one, then the config files.\n"
+            f"# {line}\n")
+    with atomic_path(path) as tmp:
+        Path(tmp).write_text(head + yaml.safe_dump(config, sort_keys=False))
+    return line
 
 
 def _merge(base: dict, over: dict) -> dict:

@@ -53,6 +53,8 @@ class Paths:
 
     def __init__(self, results: str):
         r = self.results = results
+        # the config the run used, every key (rule effective_config)
+        self.effective_config = f"{r}/effective_config.yaml"
         # the tiny default target (trained when no target.path is configured)
         self.target_model = f"{r}/target/model"
         self.target_metrics = f"{r}/target/metrics.json"
@@ -206,6 +208,18 @@ class Pipeline:
         return [self.paths.expanded(n) for n in self.datasets_for("train")]
 
     # -- params -------------------------------------------------------------------------
+    def effective_config(self) -> dict:
+        """The whole config as the run uses it (defaults and the tiny target's recipe filled in)."""
+        return canonical(self.config)
+
+    def recipe(self) -> dict:
+        """What the model card records of the config: the recipe line and the result-changing keys of the
+        sections that decide the drafter (an operational key reruns no export)."""
+        from dflashpipe.config import recipe_line
+
+        return {"recipe": recipe_line(self.config), "seed": self.config["seed"],
+                **{s: self.result_params(s) for s in ("drafter", "train", "expand", "tokenize")}}
+
     def result_params(self, section: str) -> dict:
         """The result-changing keys of a config section (operational ones are read at run time)."""
         return result_params(self.config, section)
@@ -286,7 +300,8 @@ class Pipeline:
     def all_outputs(self) -> list[str]:
         """Every file a user sees: each one deleted is made again by a plain rerun (with what reads it)."""
         p = self.paths
-        out = [f for name in self.config["datasets"] for f in (p.prompts(name), p.prompts_stats(name))]
+        out = [p.effective_config]
+        out += [f for name in self.config["datasets"] for f in (p.prompts(name), p.prompts_stats(name))]
         if self.builds_tiny_target:
             out += [*p.target_model_files(), p.target_metrics]
         out += [p.expanded(name) for name in self.datasets_for("train")]

@@ -54,5 +54,7 @@ rule export:
         code=pipeline.code("export.py"),
         target=pipeline.target_dir(),
         datasets={n: config["datasets"][n] for n in pipeline.datasets_for("train")},
+        # the card's record of the config that trained it
+        recipe=pipeline.recipe(),
     script:
         "../scripts/export.py"

@@ -82,6 +82,18 @@ def _recipe_rows(cfg) -> list[str]:
     return [f"| {k} | {v} |" for k, v in rows]
 
 
+def _config_section(recipe: dict | None) -> list[str]:
+    """The config that trained the drafter: its recipe line and the result-deciding sections as YAML."""
+    if not recipe:
+        return []
+    import yaml
+
+    sections = {k: v for k, v in recipe.items() if k != "recipe"}
+    return ["## Configuration", "", f"`{recipe['recipe']}`", "", "The keys that decided this drafter "
+            "(results/effective_config.yaml has every key of the run):", "", "```yaml",
+            yaml.safe_dump(sections, sort_keys=True).rstrip(), "```", ""]
+
+
 def serving_lines(cfg, target: str, drafter: str) -> str:
     """The SGLang, vLLM and transformers lines for this drafter, with the flags that must match training."""
     if cfg.arch == "dspark":
@@ -116,8 +128,9 @@ def serving_lines(cfg, target: str, drafter: str) -> str:
 
 
 def model_card(cfg, *, target: str, datasets: dict | None = None, stats: dict | None = None,
-               summary: dict | None = None, drafter: str = "results/drafter") -> str:
-    """The model card (markdown) of a drafter export; ``stats``/``summary`` are the tokenize and train outputs."""
+               summary: dict | None = None, drafter: str = "results/drafter", recipe: dict | None = None) -> str:
+    """The model card (markdown) of a drafter export; ``stats``/``summary`` are the tokenize and train outputs,
+    ``recipe`` the config's record (:meth:`dflashpipe.wiring.Pipeline.recipe`: its line and the sections)."""
     datasets, stats, summary = datasets or {}, stats or {}, summary or {}
     rows, hub, licence = _data_rows(datasets, stats)
     front = ["---", f"base_model: {_target_name(target)}", "library_name: transformers"]
@@ -156,6 +169,7 @@ def model_card(cfg, *, target: str, datasets: dict | None = None, stats: dict | 
         "## Recipe", "", "| | |", "| --- | --- |", *_recipe_rows(cfg), "",
         "## Data", "", *data, "",
         "## Training", "", *train, "",
+        *_config_section(recipe),
         "## Measured", "",
         f"The acceptance length and speed-up this drafter measured against the target alone are in `{EVAL_TABLE}` "
         "(the evaluation reads this export, so it runs after it).", "",
