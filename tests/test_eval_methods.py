@@ -96,20 +96,23 @@ def test_the_plot_labels_every_method(tmp_path, monkeypatch):
 
     from dflashpipe.stages import plots
 
-    rows = [{"dataset": "d", "method": m.name, "tokens_per_target_forward": 1.5, "speedup_vs_ar": 1.2, "simulated_tau": None}
-            for m in METHODS]
+    rows = [{"dataset": "d", "method": m.name, "tau_mean": 1.5, "tau_pooled": 1.6, "speedup_vs_ar": 1.2,
+             "simulated_tau": None} for m in METHODS]
     pd.DataFrame(rows).to_csv(tmp_path / "eval.csv", index=False)
     figures = []
     monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig))
     plots.tau_speedup(str(tmp_path / "eval.csv"), str(tmp_path / "tau.png"), Pipeline.method_labels())
-    (legend,) = figures[0].legends
-    assert [t.get_text() for t in legend.get_texts()] == [m.label for m in METHODS]
-    # DFlash's simulated tau from training: its marker carries its value, beside the bars' own labels
+    methods, marks = figures[0].legends
+    assert [t.get_text() for t in methods.get_texts()] == [m.label for m in METHODS]
+    assert [t.get_text() for t in marks.get_texts()] == ["tau_pooled: all prompts' forwards pooled"]
+    # DFlash's simulated tau from training: one labelled reference line, no bar label (tests/test_plots_honest.py)
     next(r for r in rows if r["method"] == "dflash")["simulated_tau"] = 3.917
     pd.DataFrame(rows).to_csv(tmp_path / "eval.csv", index=False)
     plots.tau_speedup(str(tmp_path / "eval.csv"), str(tmp_path / "tau.png"), Pipeline.method_labels())
     without, with_sim = ([t.get_text() for t in f.axes[0].texts] for f in figures)
-    assert without == ["1.50"] * len(METHODS) and sorted(with_sim) == sorted(without + ["3.92"])
+    assert without == with_sim == ["1.50"] * len(METHODS)
+    assert [t.get_text() for t in figures[1].legends[0].get_texts()] == [m.label for m in METHODS]
+    assert figures[1].legends[1].get_texts()[1].get_text().startswith("simulated_tau 3.92")
 
 
 def _name_collections(path) -> list[tuple[int, list[str]]]:

@@ -307,7 +307,8 @@ def test_repeat_weighs_a_training_dataset_and_never_holds_out_a_copy(one_rank_gr
 
     ds = Dataset.from_dict({"dataset": ["math"] * 40 + ["code"] * 20, "id": [str(i) for i in range(60)],
                             "bucket": [128] * 60})
-    cfg = SimpleNamespace(heldout_samples=6, seed=0, batch_size=4, epochs=1.0, max_steps=None, repeat={})
+    cfg = SimpleNamespace(heldout_samples=6, heldout_fraction=0.1, seed=0, batch_size=4, epochs=1.0, max_steps=None,
+                          repeat={})
     plain = run_data(ds, cfg, pad_id=0, source="t")
     weighed = run_data(ds, SimpleNamespace(**{**vars(cfg), "repeat": {"code": 3}}), pad_id=0, source="t")
     assert (weighed.heldout_idx == plain.heldout_idx).all()

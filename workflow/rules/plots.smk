@@ -30,6 +30,8 @@ rule plots:
         histogram=paths.table("histogram"),
         training=paths.table("training"),
         compile=paths.table("compile"),
+        train_summary=paths.train_summary,
+        stamps=pipeline.all_stamps(),
     output:
         tau=report(
             paths.plot("tau"),

@@ -36,6 +36,12 @@ def sample_seed(*keys: int) -> int:
     return int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1, np.uint64)[0] >> 1)
 
 
+def heldout_size(n_samples: int, cap: int, fraction: float) -> int:
+    """Samples to hold out: ``fraction`` of the corpus, at most ``cap``, at least 1
+    (``train.heldout_fraction`` and ``train.heldout_samples``)."""
+    return max(1, min(cap, math.floor(fraction * n_samples + 1e-9)))
+
+
 def heldout_split(datasets_col, ids_col, n_heldout: int) -> tuple[np.ndarray, np.ndarray]:
     """(train indices, held-out indices). Whole prompts (dataset, id) go to one side, so
     several samples of one prompt never straddle the split; prompts are taken in
@@ -104,13 +110,17 @@ class RunData:
                           index=idx)
 
 
-def run_data(ds, cfg, pad_id: int, source: str) -> RunData:
+def run_data(ds, cfg, pad_id: int, source: str, log=print) -> RunData:
     """A run's tokenized data ``ds`` (:func:`dflashpipe.inputs.tokenize.load_tokenized` of ``source``), its
     held-out split and the number of steps (the same on every rank). ``cfg``: the run's
-    :class:`~dflashpipe.drafter.train.TrainConfig`."""
+    :class:`~dflashpipe.drafter.train.TrainConfig`; ``log`` gets a line when the fraction lowers the cap."""
     buckets = np.asarray(ds["bucket"], dtype=np.int64)
     names = list(ds["dataset"])
-    train_idx, heldout_idx = heldout_split(names, list(ds["id"]), cfg.heldout_samples)
+    n_heldout = heldout_size(len(ds), cfg.heldout_samples, cfg.heldout_fraction)
+    train_idx, heldout_idx = heldout_split(names, list(ds["id"]), n_heldout)
+    if n_heldout < cfg.heldout_samples:
+        log(f"held out {len(heldout_idx)} of {len(ds)} samples ({len(heldout_idx) / max(1, len(ds)):.0%}, "
+            f"train.heldout_samples {cfg.heldout_samples} capped by train.heldout_fraction {cfg.heldout_fraction})")
     if cfg.repeat:  # the mix's weights: a dataset's training samples drawn `repeat` times per epoch
         train_idx = np.repeat(train_idx, [cfg.repeat.get(names[i], 1) for i in train_idx])
     steps_per_epoch = len(epoch_batches(buckets, train_idx, cfg.seed, 0, cfg.batch_size))

@@ -49,7 +49,8 @@ class TrainConfig:
     loss_chunk_size: int
     checkpoint_every: int  # steps
     eval_every: int  # 0: only at the end
-    heldout_samples: int  # deterministic held-out split of the tokenized data (by hash of id)
+    heldout_samples: int  # deterministic held-out split of the tokenized data (by hash of id), at most this many
+    heldout_fraction: float  # ... and at most this share of the samples (data.heldout_size)
     repeat: dict  # training dataset name -> draws of each of its samples per epoch (the mix's weights)
     seed: int
     loss: str  # kl (the target's distribution) | ce (the data's tokens)

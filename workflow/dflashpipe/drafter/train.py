@@ -136,7 +136,7 @@ def train_rank(run: TrainRun, rank: int, device: str, *, log=print, hot_start=No
     try:
         # -- build: models, data, the newest intact checkpoint of this run (rank 0 chooses, at any K), optimiser
         target, dcfg, setup, drafter, pad_id = build(cfg, run.target_dir, setup, laps)
-        data = run_data(load_tokenized(run.tokenized_dir), cfg, pad_id, run.tokenized_dir)
+        data = run_data(load_tokenized(run.tokenized_dir), cfg, pad_id, run.tokenized_dir, log)
         allow_bucket_graphs(data.buckets)  # hot start or not: no bucket's step falls back to eager
         laps.lap("data")
         state = resume(run, rank, log)

@@ -1,10 +1,14 @@
 """Matplotlib figures of a run: evaluation, training curves, compile times.
 
 Each function reads one table from results/tables/ (so figures and tables
-always agree) and writes one PNG atomically.
+always agree) and writes one PNG atomically; the loss plot also reads which loss
+ran (the training summary), the compile plot whether anything compiled (the warm stamps).
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import matplotlib
 
@@ -15,6 +19,11 @@ import pandas as pd  # noqa: E402
 from dflashpipe.jobs.atomic import atomic_path  # noqa: E402
 from dflashpipe.stages.tables import SIMULATED  # noqa: E402
 
+#: train.loss -> what it trains on, for the loss plot's title
+LOSSES = {"ce": "cross-entropy with the data's tokens", "kl": "KL to the target's distribution",
+          "dspark": "DSpark's: 0.1 CE + 0.9 L1 to the target"}
+
+
 def _save(fig, path: str) -> None:
     if not fig.get_layout_engine():
         fig.tight_layout()
@@ -23,9 +32,11 @@ def _save(fig, path: str) -> None:
     plt.close(fig)
 
 
-def training_curves(training_csv: str, loss_png: str, tokens_png: str) -> None:
-    """Loss and top-1 accuracy of the global batch vs step (with held-out points), and context tokens/s."""
+def training_curves(training_csv: str, loss_png: str, tokens_png: str, train_summary: str) -> None:
+    """Loss (titled with the train.loss that ran) and top-1 accuracy of the global batch vs step (with
+    held-out points), and context tokens/s."""
     df = pd.read_csv(training_csv)
+    loss = json.loads(Path(train_summary).read_text()).get("loss", "?")
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot(df["step"], df["loss"], label="train batch", alpha=0.8)
     ax_acc.plot(df["step"], df["acc"], label="train batch", alpha=0.8)
@@ -36,7 +47,8 @@ def training_curves(training_csv: str, loss_png: str, tokens_png: str) -> None:
     # log scale: the first steps' loss (tens of nats) would otherwise flatten the rest of the curve
     log_y = bool((df["loss"].dropna() > 0).all())
     ax_loss.set(xlabel="optimiser step", ylabel="position-weighted loss, nats" + (" (log scale)" if log_y else ""),
-                title="Drafter loss (train.loss: CE, KL or DSpark's)", yscale="log" if log_y else "linear")
+                title=f"Drafter loss, train.loss: {loss}\n({LOSSES.get(loss, 'unknown loss')})",
+                yscale="log" if log_y else "linear")
     ax_acc.set(xlabel="optimiser step", ylabel="weighted top-1 accuracy", title="Drafter accuracy", ylim=(0, 1))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
@@ -58,9 +70,18 @@ def training_curves(training_csv: str, loss_png: str, tokens_png: str) -> None:
     _save(fig, tokens_png)
 
 
-def compile_times(compile_csv: str, out_png: str) -> None:
+def compiled_nothing(stamps: list[str]) -> bool:
+    """True when no warm job compiled or loaded a graph (no Inductor / AOTAutograd cache event)."""
+    return not any(sum(json.loads(Path(p).read_text())["counters"].values()) for p in stamps)
+
+
+def compile_times(compile_csv: str, out_png: str, stamps: list[str]) -> None:
     """Per slot: seconds of the warm job (compiling, or loading what the previous slot compiled)
-    vs. the shard's hot start from that cache; bars labelled with cache misses."""
+    vs. the shard's hot start from that cache; bars labelled with cache misses. Where nothing
+    compiled (``stamps``: the warm stamps), a figure that says so instead of bars."""
+    if compiled_nothing(stamps):
+        _nothing_compiled(stamps, out_png)
+        return
     df = pd.read_csv(compile_csv)
     fig, ax = plt.subplots(figsize=(7, 4))
     phases = list(dict.fromkeys(df["phase"]))
@@ -78,8 +99,28 @@ def compile_times(compile_csv: str, out_png: str) -> None:
     _save(fig, out_png)
 
 
+def _nothing_compiled(stamps: list[str], out_png: str) -> None:
+    """A text-only figure: the warm jobs compiled nothing, so there is no compile time to compare."""
+    first = json.loads(Path(stamps[0]).read_text()) if stamps else {}
+    cfg = first.get("parts", {}).get("config", {})
+    lines = [
+        f"No warm job compiled or loaded a graph (0 Inductor / AOTAutograd cache hits and misses in {len(stamps)} "
+        "warm stamps).",
+        f"train.compile: {cfg.get('compile', '?')}, attention: {cfg.get('attention', '?')}, "
+        f"on {first.get('device_name', '?')}: the training step ran eagerly.",
+        "The seconds in results/tables/compile.csv time eager first steps, not compiles.",
+    ]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.set_axis_off()
+    ax.set_title("Nothing compiled: no cold vs. hot compile to compare")
+    ax.text(0.5, 0.5, "\n".join(lines), ha="center", va="center", fontsize=8, wrap=True, transform=ax.transAxes)
+    _save(fig, out_png)
+
+
 def tau_speedup(eval_csv: str, out_png: str, method_labels: dict[str, str]) -> None:
-    """Bars per dataset and method: tokens per target forward (tau for DFlash) and decode speed-up over AR.
+    """Bars per dataset and method: tau (eval.csv's ``tau_mean``, with ``tau_pooled`` marked) and decode
+    speed-up over AR (``speedup_vs_ar``). DFlash's ``simulated_tau`` comes from the training mix's
+    held-out blocks, not from any eval set: one reference line, labelled so.
 
     ``method_labels``: method name -> legend label, in the order to draw them (the registry's,
     :mod:`dflashpipe.evaluate.methods`, which the workflow passes as the job's params).
@@ -92,28 +133,35 @@ def tau_speedup(eval_csv: str, out_png: str, method_labels: dict[str, str]) -> N
     for i, m in enumerate(methods):
         g = df[df["method"] == m].set_index("dataset").reindex(datasets)
         xs = [j + i * width for j in range(len(datasets))]
-        b1 = ax_tau.bar(xs, g["tokens_per_target_forward"], width, label=method_labels[m])
+        b1 = ax_tau.bar(xs, g["tau_mean"], width, label=method_labels[m])
         b2 = ax_sp.bar(xs, g["speedup_vs_ar"], width, label=method_labels[m])
-        ax_tau.bar_label(b1, fmt="%.2f", fontsize=7)
-        ax_sp.bar_label(b2, fmt="%.2f", fontsize=7)
-        if m == "dflash" and "simulated_tau" in g and g["simulated_tau"].notna().any():
-            ax_tau.plot(xs, g["simulated_tau"], "k_", markersize=18, mew=2.5,
-                        label="DFlash, simulated in training (held-out blocks)")
-            for x, sim in zip(xs, g["simulated_tau"]):  # its value beside the marker, clear of the bar's label
-                if pd.notna(sim):
-                    ax_tau.annotate(f"{sim:.2f}", (x, sim), xytext=(11, 0), textcoords="offset points",
-                                    ha="left", va="center", fontsize=7)
+        ax_tau.bar_label(b1, labels=[_fmt(v) for v in g["tau_mean"]], fontsize=7)
+        ax_sp.bar_label(b2, labels=[_fmt(v) for v in g["speedup_vs_ar"]], fontsize=7)
+        pooled = ax_tau.plot(xs, g["tau_pooled"], "k.", markersize=6)[0]
+    marks = [(pooled, "tau_pooled: all prompts' forwards pooled")] if methods else []
+    sims = df.loc[df["method"] == "dflash", "simulated_tau"].dropna().unique() if "simulated_tau" in df else []
+    for sim in sims:  # one value: the training summary's
+        line = ax_tau.axhline(sim, color="k", ls="--", lw=1)
+        marks.append((line, f"simulated_tau {sim:.2f}: DFlash, simulated on the training mix's held-out blocks "
+                            "(no eval set)"))
     for ax in (ax_tau, ax_sp):
         ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(datasets))])
         ax.set_xticklabels(datasets)
         ax.grid(alpha=0.3, axis="y")
-    ax_tau.set(ylabel="output tokens per target forward (DFlash: tau)", title="Acceptance length")
+    ax_tau.set(ylabel="tau_mean (tokens per target forward)", title="Acceptance length (bars: tau_mean)")
     ax_sp.axhline(1.0, color="k", lw=0.8)
-    ax_sp.set(ylabel="decode speed-up over AR (x)", title="Speed-up (same harness, decode only)")
+    ax_sp.set(ylabel="speedup_vs_ar: decode speed-up over AR (x)", title="Speed-up (same harness, decode only)")
     handles, labels = ax_tau.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(methods), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.06 if marks else 0),
+               ncol=max(1, len(methods)), fontsize=8, frameon=False)
+    if marks:
+        fig.legend(*zip(*marks), loc="lower center", ncol=len(marks), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.14 if marks else 0.07, 1, 1))
     _save(fig, out_png)
+
+
+def _fmt(v) -> str:
+    return "" if pd.isna(v) else f"{v:.2f}"
 
 
 def per_position(positions_csv: str, out_png: str) -> None:
@@ -125,6 +173,10 @@ def per_position(positions_csv: str, out_png: str) -> None:
         ax.plot(g["position"], g["acceptance_rate"], "k--" if simulated else "o-", label=d)
     ax.set(xlabel="draft position k in the block", ylabel="P(accept k | accepted < k)", ylim=(0, 1.02),
            title="Per-position acceptance (DFlash)")
+    positions = sorted(set(df["position"])) if len(df) else []
+    ax.set_xticks(positions)  # every position, whole numbers (a locator gives 0.95, 0.975, ... with one point)
+    if positions:
+        ax.set_xlim(positions[0] - 0.5, positions[-1] + 0.5)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     _save(fig, out_png)
@@ -139,6 +191,8 @@ def histogram(histogram_csv: str, out_png: str) -> None:
     for i, d in enumerate(datasets):
         g = df[df["dataset"] == d]
         ax.bar(g["accepted"] + i * width, g["fraction"], width, label=d)
+    accepted = sorted(set(df["accepted"])) if len(df) else []
+    ax.set_xticks([a + width * (len(datasets) - 1) / 2 for a in accepted], [str(a) for a in accepted])
     ax.set(xlabel="drafted tokens accepted in a verify step", ylabel="share of verify steps",
            title="Acceptance-length histogram (DFlash)")
     ax.grid(alpha=0.3, axis="y")
