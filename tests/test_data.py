@@ -4,7 +4,7 @@ import json
 import pandas as pd
 import pytest
 
-from dflashpipe.inputs.data import load_table, normalize, prepare_prompts
+from dflashpipe.inputs.data import load_rows, normalize, prepare_prompts
 from dflashpipe.jobs.errors import UserError
 
 
@@ -31,7 +31,7 @@ def test_prompt_column_mapping_parquet(tmp_path):
     f = tmp_path / "d.parquet"
     pd.DataFrame({"question": ["q1", "q2"], "answer": ["a1", "a2"]}).to_parquet(f)
     spec = {"path": str(f), "prompt_column": "question", "response_column": "answer", "system_prompt": "be brief"}
-    df, _ = normalize(load_table(spec, "d"), spec, "d")
+    df, _ = normalize(load_rows(spec, "d"), spec, "d")
     assert df["prompt"][1] == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q2"}]
     assert df["reference"][1] == "a2"
     assert df["id"][0] == "d-0"
@@ -39,24 +39,29 @@ def test_prompt_column_mapping_parquet(tmp_path):
 
 def test_missing_file(tmp_path):
     with pytest.raises(UserError, match=r"^datasets.d.path: file .*nope.jsonl does not exist"):
-        load_table({"path": str(tmp_path / "nope.jsonl")}, "d")
+        load_rows({"path": str(tmp_path / "nope.jsonl")}, "d")
 
 
-def test_malformed_line_names_file_and_line(tmp_path):
+def test_malformed_line_is_counted_and_located_by_file_and_line(tmp_path):
     f = tmp_path / "bad.jsonl.gz"
     with gzip.open(f, "wt") as g:
         g.write(json.dumps({"messages": chat("x", "y")}) + "\n")
         g.write("\n")
         g.write('{"messages": [oops]}\n')
-    with pytest.raises(UserError, match=r"bad.jsonl.gz:3: malformed JSON line"):
-        load_table({"path": str(f)}, "d")
+    df, stats = normalize(load_rows({"path": str(f)}, "d"), {"path": str(f)}, "d")
+    assert len(df) == 1 and stats["skipped_rows"]["malformed_json"] == 1
+    assert stats["first_skipped"] == [{"where": f"{f}:3", "id": None, "reason": "malformed_json",
+                                       "detail": "not JSON at column 15: Expecting value"}]
+    with pytest.raises(UserError, match=rf"^{f} \(dataset d\): 1 of 2 rows are bad \(malformed_json 1\), more than "
+                                        rf"data.max_bad_rows allows \(0% of 2\); the first: {f}:3: malformed_json"):
+        normalize(load_rows({"path": str(f)}, "d"), {"path": str(f)}, "d", max_bad_rows=0.0)
 
 
 def test_empty_file(tmp_path):
     f = tmp_path / "empty.jsonl"
     f.write_text("")
     with pytest.raises(UserError, match="has no rows"):
-        load_table({"path": str(f)}, "d")
+        load_rows({"path": str(f)}, "d")
 
 
 def test_rows_without_a_prompt_are_skipped_and_counted_in_the_stats_and_log(tmp_path):
@@ -72,18 +77,20 @@ def test_rows_without_a_prompt_are_skipped_and_counted_in_the_stats_and_log(tmp_
                          log=logged.append)
     assert list(df["id"]) == ["a", "d"]  # `limit` counts the rows kept
     stats = json.loads((tmp_path / "s.json").read_text())
-    assert stats == {"prompts": 2, "with_reference": 1, "skipped_total": 2, "first_skipped_row": 1,
-                     "skipped_rows": {"empty_conversation": 1, "no_user_turn": 1, "non_text_content": 0}}
-    assert logged == ["2 prompts (1 with a reference reply); skipped 2 rows without a prompt (1 empty_conversation, "
-                      "1 no_user_turn; the first: row 1)"]
+    assert stats["prompts"] == 2 and stats["rows_read"] == 4 and stats["skipped_total"] == 2
+    assert {k: n for k, n in stats["skipped_rows"].items() if n} == {"empty_conversation": 1, "no_user_turn": 1}
+    assert [(b["where"], b["id"]) for b in stats["first_skipped"]] == [(f"{f}:2", "b"), (f"{f}:3", "c")]
+    assert logged == [f"2 prompts of 4 rows (2 user turns, 1 with a reference reply); skipped 2 bad rows "
+                      f"(empty_conversation 1, no_user_turn 1; the first: {f}:2 (id 'b'): empty_conversation: "
+                      "column 'conversations' holds no turns)"]
     picture = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                             {"type": "image_url", "image_url": {"url": "x.png"}}]}]
     f = write_jsonl(tmp_path / "p.jsonl", [{"messages": picture}, *[{"messages": r["conversations"]} for r in rows[:1]]])
-    df, skipped = normalize(load_table({"path": str(f)}, "p"), {"path": str(f)}, "p")
+    df, skipped = normalize(load_rows({"path": str(f)}, "p"), {"path": str(f)}, "p")
     assert len(df) == 1 and skipped["skipped_rows"]["non_text_content"] == 1
     f = write_jsonl(tmp_path / "none.jsonl", rows[1:3])
-    with pytest.raises(UserError, match=r"none.jsonl \(dataset n\): no row holds a conversation with a user turn"):
-        normalize(load_table({"path": str(f)}, "n"), {"path": str(f)}, "n")
+    with pytest.raises(UserError, match=r"none.jsonl \(dataset n\): none of its 2 rows gives a prompt"):
+        normalize(load_rows({"path": str(f)}, "n"), {"path": str(f)}, "n")
 
 
 def test_openai_turns_with_null_content_or_content_parts_become_their_text(tmp_path):
@@ -92,18 +99,18 @@ def test_openai_turns_with_null_content_or_content_parts_become_their_text(tmp_p
     parts = {"role": "user", "content": [{"type": "text", "text": "Now add 3."}, {"type": "text", "text": "Briefly."}]}
     turns = [{"role": "user", "content": "Add 2."}, tool_call, {"role": "tool", "content": "2"}, parts]
     f = write_jsonl(tmp_path / "d.jsonl", [{"messages": turns}])
-    df, _ = normalize(load_table({"path": str(f)}, "d"), {"path": str(f)}, "d")
+    df, _ = normalize(load_rows({"path": str(f)}, "d"), {"path": str(f)}, "d")
     assert [t["content"] for t in df["prompt"][0]] == ["Add 2.", "", "2", "Now add 3.\nBriefly."]
     f = tmp_path / "d.parquet"  # arrow: a null content beside text ones, and a tool call's keys on every turn
     pd.DataFrame({"messages": [turns[:3] + [{"role": "user", "content": "Now add 3."}]]}).to_parquet(f)
-    df, _ = normalize(load_table({"path": str(f)}, "d"), {"path": str(f)}, "d")
+    df, _ = normalize(load_rows({"path": str(f)}, "d"), {"path": str(f)}, "d")
     assert [t["content"] for t in df["prompt"][0]] == ["Add 2.", "", "2", "Now add 3."]
     f = tmp_path / "q.parquet"
     pd.DataFrame({"question": ["q1", None], "answer": [None, "a2"]}).to_parquet(f)
     spec = {"path": str(f), "prompt_column": "question", "response_column": "answer"}
-    df, _ = normalize(load_table(spec, "d"), spec, "d")
-    assert df["prompt"][1] == [{"role": "user", "content": ""}]  # empty: the expansion skips and counts it
-    assert pd.isna(df["reference"][0]) and df["reference"][1] == "a2"
+    df, stats = normalize(load_rows(spec, "d"), spec, "d")
+    assert stats["skipped_rows"]["null_content"] == 1 and stats["first_skipped"][0]["where"] == f"{f} row 2"
+    assert len(df) == 1 and pd.isna(df["reference"][0])
 
 
 def test_a_sharegpt_rows_top_level_system_field_is_its_system_turn(tmp_path):
@@ -113,17 +120,18 @@ def test_a_sharegpt_rows_top_level_system_field_is_its_system_turn(tmp_path):
             {"system": "unused", "conversations": [{"from": "system", "value": "own"}, {"from": "human", "value": "hi"}]}]
     f = write_jsonl(tmp_path / "d.jsonl", rows)
     spec = {"path": str(f), "system_prompt": "the default"}
-    df, _ = normalize(load_table(spec, "d"), spec, "d")
+    df, _ = normalize(load_rows(spec, "d"), spec, "d")
     assert df["prompt"][0] == [{"role": "system", "content": "You are a calculator."}, {"role": "user", "content": "2+2"}]
     assert df["prompt"][1][0] == {"role": "system", "content": "the default"}
     assert df["prompt"][2][0] == {"role": "system", "content": "own"} and len(df["prompt"][2]) == 2
 
 
-def test_wrong_column_is_named(tmp_path):
-    f = write_jsonl(tmp_path / "d.jsonl", [{"text": "q"}])
+def test_wrong_column_is_named_with_a_guess(tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", [{"questions": "q"}])
     spec = {"path": str(f), "prompt_column": "question"}
-    with pytest.raises(UserError, match=r"no column 'question' \(has \['text'\]\)"):
-        normalize(load_table(spec, "d"), spec, "d")
+    with pytest.raises(UserError, match=r"d.jsonl:1: missing_column: no column 'question' \(has \['questions'\]; "
+                                        r"did you mean 'questions'\?\); set `prompt_column`\)$"):
+        normalize(load_rows(spec, "d"), spec, "d")
 
 
 def test_failed_prepare_leaves_no_output(tmp_path):
@@ -159,24 +167,27 @@ def test_chat_format_detected_per_row_and_column(tmp_path):
             {"conversations": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}]
     f = write_jsonl(tmp_path / "d.jsonl", rows)
     spec = {"path": str(f)}
-    df, _ = normalize(load_table(spec, "d"), spec, "d")
+    df, _ = normalize(load_rows(spec, "d"), spec, "d")
     assert df["prompt"][0] == [{"role": "user", "content": "hi"}] and df["reference"][0] == "hello"
     assert df["prompt"][1] == [{"role": "user", "content": "2+2?"}] and df["reference"][1] == "4"
 
 
-def test_chat_that_fits_no_format_names_the_row(tmp_path):
+def test_chat_that_fits_no_format_or_an_unknown_role_is_a_counted_bad_row(tmp_path):
     f = write_jsonl(tmp_path / "d.jsonl", [{"c": chat("q", "a")}, {"c": [{"speaker": "human", "text": "q"}]}])
     spec = {"path": str(f), "messages_column": "c"}
-    with pytest.raises(UserError, match=r"d.jsonl row 1 \(dataset d\): column 'c' must be a list of "
-                                        r"\{role, content\} or \{from, value\} turns \(a turn has \['speaker', 'text'\]\)"):
-        normalize(load_table(spec, "d"), spec, "d")
+    df, stats = normalize(load_rows(spec, "d"), spec, "d")
+    assert len(df) == 1 and stats["first_skipped"][0]["where"] == f"{f}:2"
+    assert stats["first_skipped"][0]["detail"] == ("column 'c' must be a list of {role, content} or {from, value} "
+                                                   "turns (a turn has ['speaker', 'text']); set the dataset's `format` "
+                                                   "(auto, openai, sharegpt) or `messages_column`")
     spec = {"path": str(SHAREGPT), "messages_column": "conversations", "format": "openai"}  # the format set in the spec
-    with pytest.raises(UserError, match=r"row 0 \(dataset d\): column 'conversations' must be a list of \{role, content\}"):
-        normalize(load_table(spec, "d"), spec, "d")
-    bad = write_jsonl(tmp_path / "b.jsonl", [{"conversations": [{"from": "narrator", "value": "x"}]}])
+    with pytest.raises(UserError, match=r"none of its 4 rows gives a prompt \(not_a_chat 4; the first: .*:1 \(id 'sg-1'\)"):
+        normalize(load_rows(spec, "d"), spec, "d")
+    bad = write_jsonl(tmp_path / "b.jsonl", [{"conversations": [{"from": "narrator", "value": "x"}]},
+                                            {"conversations": [{"from": "human", "value": "q"}]}])
     spec = {"path": str(bad), "format": "sharegpt"}
-    with pytest.raises(UserError, match=r"row 0 \(dataset d\): column 'conversations': ShareGPT speaker 'narrator'"):
-        normalize(load_table(spec, "d"), spec, "d")
+    df, stats = normalize(load_rows(spec, "d"), spec, "d")
+    assert stats["first_skipped"][0]["reason"] == "unknown_role" and "'narrator'" in stats["first_skipped"][0]["detail"]
 
 
 def test_dataset_format_key_is_checked_by_the_config_schema():

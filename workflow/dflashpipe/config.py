@@ -290,6 +290,25 @@ def apply_tiny_recipe(config: dict) -> bool:
     return True
 
 
+#: the shipped prompt files of the tiny target's own domain (what it was trained on, and their held-out
+#: sets), by name: a checkout moved or copied keeps them
+TINY_DOMAIN = tuple(f"{kind}_{part}.jsonl.gz" for kind in ("math", "code") for part in ("train", "heldout"))
+
+
+def tiny_target_caveat(config: dict) -> str | None:
+    """With the embedded tiny target and data outside its domain (:data:`TINY_DOMAIN`), the line that says
+    what its replies and figures are; else None. The run's log, eval.csv and the model card carry it."""
+    if not embedded_target(config["target"]["path"]):
+        return None
+    foreign = sorted(n for n, d in config["datasets"].items() if not d.get("path") or Path(d["path"]).name not in TINY_DOMAIN)
+    if not foreign:
+        return None
+    return (f"the embedded tiny target (a 1.3M-parameter model of short math and code replies) regenerates and "
+            f"answers datasets {', '.join(foreign)}: off its domain, its replies are not what a real model would "
+            "write, so tau and speed-ups measured here do not transfer to a real target (docs/real-target.md, "
+            "\"The tiny target's limits\"); set target.path to your model")
+
+
 def recipe_line(config: dict) -> str:
     """What the run trains, in one line: the recipe keys with their values, and whose recipe it is."""
     def value(key):
@@ -336,20 +355,8 @@ def prepare_config(config: dict, source: str, user_files=(), cli_config: dict | 
         if config["drafter"]["mask_token_id"] is None:
             notes.append(f"drafter.mask_token_id: {mask_id}, {how}")
     _check_drafter_fits_target(config, source)
-    return notes
-
-
-def write_effective_config(path: str, config: dict) -> str:
-    """Write the config a run uses as YAML (atomically), headed by its recipe line; returns that line."""
-    from dflashpipe.jobs.atomic import atomic_path
-
-    line = recipe_line(config)
-    head = ("# The config this run used, every key: the schema's defaults (workflow/schemas/config.schema.yaml),\n"
-            f"# then {TINY_RECIPE.relative_to(REPO_ROOT)} when the target is the embedded tiny one, then the config files.\n"
-            f"# {line}\n")
-    with atomic_path(path) as tmp:
-        Path(tmp).write_text(head + yaml.safe_dump(config, sort_keys=False))
-    return line
+    caveat = tiny_target_caveat(config)
+    return notes + ([f"NOTE: {caveat}"] if caveat else [])
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -366,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     Snakemake parses ``--configfile`` files before the workflow starts and
     reports a YAML syntax error without the file or line; this names both, then
     checks the merged config (onto config/config.yaml) as the workflow does
-    (:func:`prepare_config`).
+    (:func:`prepare_config`), prints the recipe, and reads the data as the prompts jobs will
+    (:func:`check_datasets`).
     """
     import sys
 
@@ -379,13 +387,28 @@ def main(argv: list[str] | None = None) -> int:
         for f in files:
             merged = _merge(merged, load_yaml(f))
         notes = prepare_config(merged, ", ".join(files), files)
+        for line in notes:
+            print(line)
+        for line in check_datasets(merged):
+            print(line)
     except UserError as err:
         print(f"ERROR: {err}", file=sys.stderr)
         return 1
-    for line in notes:
-        print(line)
     print(f"ok: {', '.join(files)}")
     return 0
+
+
+def check_datasets(config: dict):
+    """Read every local dataset as its prompts job will (columns, roles, bad rows under
+    ``data.max_bad_rows``) and yield a line of counts per dataset; a Hub dataset is left to its job."""
+    from dflashpipe.inputs.data import load_rows, normalize, summary_line
+
+    for name, spec in config["datasets"].items():
+        if not spec.get("path"):
+            yield f"datasets.{name}: {spec['hf']} (a Hugging Face dataset: read by its prompts job, not here)"
+            continue
+        _, stats = normalize(load_rows(spec, name), spec, name, config["data"]["max_bad_rows"])
+        yield f"datasets.{name}: {summary_line(stats)}"
 
 
 if __name__ == "__main__":

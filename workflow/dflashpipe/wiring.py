@@ -220,6 +220,12 @@ class Pipeline:
         return {"recipe": recipe_line(self.config), "seed": self.config["seed"],
                 **{s: self.result_params(s) for s in ("drafter", "train", "expand", "tokenize")}}
 
+    def caveat(self) -> str | None:
+        """What the run's figures are not (the tiny target on data off its domain), for the tables and the card."""
+        from dflashpipe.config import tiny_target_caveat
+
+        return tiny_target_caveat(self.config)
+
     def result_params(self, section: str) -> dict:
         """The result-changing keys of a config section (operational ones are read at run time)."""
         return result_params(self.config, section)

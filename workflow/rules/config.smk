@@ -11,5 +11,6 @@ rule effective_config:
     params:
         code=pipeline.code("effective_config.py"),
         config=pipeline.effective_config(),
+        recipe=pipeline.recipe()["recipe"],
     script:
         "../scripts/effective_config.py"

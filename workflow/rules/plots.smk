@@ -18,6 +18,7 @@ rule tables:
     params:
         code=pipeline.code("tables.py"),
         datasets=pipeline.datasets_for("eval"),
+        caveat=pipeline.caveat(),
     script:
         "../scripts/tables.py"
 

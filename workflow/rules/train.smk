@@ -56,5 +56,6 @@ rule export:
         datasets={n: config["datasets"][n] for n in pipeline.datasets_for("train")},
         # the card's record of the config that trained it
         recipe=pipeline.recipe(),
+        caveat=pipeline.caveat(),
     script:
         "../scripts/export.py"

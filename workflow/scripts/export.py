@@ -5,5 +5,6 @@ from dflashpipe.jobs.runtime import job
 with job(snakemake.log[0], threads=snakemake.threads, name="export", outputs=snakemake.output) as log:
     run = {"target": snakemake.params.target, "datasets": snakemake.params.datasets,
            "stats": snakemake.input.stats, "summary": snakemake.input.summary,
-           "recipe": snakemake.params.recipe}
+           "recipe": snakemake.params.recipe,
+           "caveat": snakemake.params.caveat}
     export_final(snakemake.input.final, snakemake.params.target, folder_of(snakemake.output.drafter), log=log, run=run)

@@ -3,4 +3,5 @@ from dflashpipe.jobs.runtime import job
 
 with job(snakemake.log[0], threads=snakemake.threads, name=f"prompts {snakemake.wildcards.dataset}", outputs=snakemake.output) as log:
     prepare_prompts(snakemake.params.spec, snakemake.wildcards.dataset, snakemake.output.prompts,
-                    stats_path=snakemake.output.stats, log=log)
+                    stats_path=snakemake.output.stats, log=log,
+                    max_bad_rows=snakemake.config["data"]["max_bad_rows"])  # operational: read at run time

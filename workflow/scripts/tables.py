@@ -9,4 +9,5 @@ with job(snakemake.log[0], name="tables", outputs=snakemake.output) as log:
         stamps=list(snakemake.input.stamps),
         out=dict(snakemake.output.items()),
         log=log,
+        caveat=snakemake.params.caveat,
     )

@@ -128,9 +128,11 @@ def serving_lines(cfg, target: str, drafter: str) -> str:
 
 
 def model_card(cfg, *, target: str, datasets: dict | None = None, stats: dict | None = None,
-               summary: dict | None = None, drafter: str = "results/drafter", recipe: dict | None = None) -> str:
+               summary: dict | None = None, drafter: str = "results/drafter", recipe: dict | None = None,
+               caveat: str | None = None) -> str:
     """The model card (markdown) of a drafter export; ``stats``/``summary`` are the tokenize and train outputs,
-    ``recipe`` the config's record (:meth:`dflashpipe.wiring.Pipeline.recipe`: its line and the sections)."""
+    ``recipe`` the config's record (:meth:`dflashpipe.wiring.Pipeline.recipe`: its line and the sections),
+    ``caveat`` what the drafter is not (:func:`dflashpipe.config.tiny_target_caveat`), under the title."""
     datasets, stats, summary = datasets or {}, stats or {}, summary or {}
     rows, hub, licence = _data_rows(datasets, stats)
     front = ["---", f"base_model: {_target_name(target)}", "library_name: transformers"]
@@ -165,6 +167,7 @@ def model_card(cfg, *, target: str, datasets: dict | None = None, stats: dict | 
         f"# {cfg.arch} drafter for {_target_name(target)}", "",
         f"A speculative-decoding drafter trained by dflash-pipeline: each block proposes {cfg.num_drafts} tokens "
         "from the target's hidden states, and the target verifies them, so the output is the target's own.", "",
+        *([f"**Caveat:** {caveat}.", ""] if caveat else []),
         "## Target", "", f"`{target}` (the drafter uses its embedding and LM head; they are not in this directory).", "",
         "## Recipe", "", "| | |", "| --- | --- |", *_recipe_rows(cfg), "",
         "## Data", "", *data, "",

@@ -387,7 +387,7 @@ def export_final(final_state: str | os.PathLike, target_dir: str | os.PathLike, 
     run = run or {}
     card = model_card(cfg, target=run.get("target") or str(target_dir), datasets=run.get("datasets"),
                       stats=_read_json(run.get("stats")), summary=_read_json(run.get("summary")), drafter=str(out_dir),
-                      recipe=run.get("recipe"))
+                      recipe=run.get("recipe"), caveat=run.get("caveat"))
     out = save_drafter(model, cfg, out_dir, target_config=target_config, dtype=dtype, card=card)
     log(f"exported the drafter (step {meta.get('step', '?')}, {cfg.arch}) to {out}")
     return out

@@ -28,14 +28,15 @@ def _write_csv(df: pd.DataFrame, path: str) -> None:
         df.to_csv(tmp, index=False)
 
 
-def eval_tables(eval_summaries: dict[str, str], train_summary: str | None = None):
+def eval_tables(eval_summaries: dict[str, str], train_summary: str | None = None, caveat: str | None = None):
     """(per dataset and method, per-position acceptance, acceptance-length histogram).
 
     With the training summary, the DFlash rows also carry ``simulated_tau``: the
     acceptance length the drafter's last held-out evaluation predicted (greedy, from the
     training forward; :mod:`dflashpipe.drafter.heldout`), to set beside the measured
     ``tau_pooled``; and the per-position table gets its predicted acceptance as the
-    rows of dataset ``simulated (training held-out)``.
+    rows of dataset ``simulated (training held-out)``. ``caveat``: what the figures are not (the tiny
+    target on data off its domain, :func:`dflashpipe.config.tiny_target_caveat`), in column ``caveat``.
     """
     train = json.loads(Path(train_summary).read_text()) if train_summary else {}
     rows, positions, histogram = [], [], []
@@ -52,6 +53,7 @@ def eval_tables(eval_summaries: dict[str, str], train_summary: str | None = None
                     "lossless_passed": lossless.get("passed") if method == "dflash" else None,
                     "device": s.get("device_name"),
                     "dtype": s.get("dtype"),
+                    "caveat": caveat,
                 }
             )
             if method == "dflash":
@@ -90,13 +92,16 @@ def compile_table(stamps: list[str], train_summary: str) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["slot", "phase", "seconds", "cache_misses"])
 
 
-def write_tables(eval_summaries, metrics_csv, train_summary, stamps, out: dict, log=print) -> None:
-    ev, pos, hist = eval_tables(eval_summaries, train_summary)
+def write_tables(eval_summaries, metrics_csv, train_summary, stamps, out: dict, log=print,
+                 caveat: str | None = None) -> None:
+    ev, pos, hist = eval_tables(eval_summaries, train_summary, caveat)
     _write_csv(ev, out["eval"])
     _write_csv(pos, out["positions"])
     _write_csv(hist, out["histogram"])
     _write_csv(training_table(metrics_csv), out["training"])
     _write_csv(compile_table(stamps, train_summary), out["compile"])
-    cols = ["dataset", "method", "tau_pooled", "simulated_tau", "tokens_per_s", "speedup_vs_ar",
+    cols = ["dataset", "method", "tau_mean", "tau_pooled", "simulated_tau", "tokens_per_s", "speedup_vs_ar",
             "tokens_per_target_forward"]
     log("\n" + ev[cols].to_string(index=False))
+    if caveat:
+        log(f"NOTE: {caveat}")
