@@ -184,6 +184,31 @@ def test_sampled_expansion_through_the_server(server, served_target, prompts, tm
     assert any(a != b for a, b in pairs), "two samples of every prompt came out equal"
 
 
+def test_multi_turn_chats_are_answered_turn_by_turn_through_the_server(server, served_target, tmp_path):
+    """expand.turns all through the server: every user turn answered in turn, the served model's reply in each
+    assistant position, the first reply in the context of the second."""
+    chats = [[{"role": "user", "content": f"Add {i} and 2."}, {"role": "assistant", "content": "CORPUS"},
+              {"role": "user", "content": "Now double it."}] for i in range(2)]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"id": f"c{i}", "messages": c}) + "\n"
+                                                  for i, c in enumerate(chats)))
+    prepare_prompts({"path": str(tmp_path / "chats.jsonl"), "messages_column": "messages"}, "chats",
+                    str(tmp_path / "chats.parquet"))
+    out = tmp_path / "e.parquet"
+    summary = expand_prompts(str(tmp_path / "chats.parquet"), str(served_target), ExpandSettings(**SETTINGS, backend="openai"),
+                             str(out), log=lambda m: None, server=_server_settings(server))
+    assert summary["turns"] == {"regenerated": 4, "unanswered": {}}
+    from transformers import AutoTokenizer
+
+    from dflashpipe.inputs.target import prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(served_target)
+    for messages, turns in zip(pd.read_parquet(out)["messages"], pd.read_parquet(out)["turns"]):
+        messages = [dict(t) for t in messages]
+        assert [t["role"] for t in messages] == ["user", "assistant", "user", "assistant"]
+        assert [int(t["message"]) for t in turns] == [1, 3] and "CORPUS" not in str(messages)
+        assert turns[1]["num_prompt_tokens"] == len(prompt_ids(tok, messages[:3]))  # the server agreed (usage)
+
+
 def test_a_target_whose_template_differs_from_the_server_is_refused(server, served_target, prompts, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(served_target, other)

@@ -160,6 +160,11 @@ def test_a_sharegpt_corpus_and_an_eval_file_as_they_come(tmp_path):
         (f"{chat}:5", None, "malformed_json"), (f"{chat}:6", "b1", "unknown_role"), (f"{chat}:7", "b2", "empty_conversation"),
         (f"{chat}:8", "b3", "no_user_turn"), (f"{chat}:9", "b4", "null_content")]
     assert "skipped 6 bad rows" in (r / "logs/prompts/chat.log").read_text()
+    # every assistant turn of a multi-turn row is the target's (expand.turns: all), and trained
+    ex = pd.read_parquet(r / "expanded/chat.parquet")
+    assert not [t for m in ex["messages"] for t in m if t["role"] == "assistant" and t["content"] == "It holds."]
+    turns = json.loads((r / "tokenized/stats.json").read_text())["turns"]
+    assert turns["regenerated"] > 16 and turns["samples_with_several"] > 0 and turns["trained"] > 16
     # the tiny target on the user's data says what its figures are, wherever they are read
     assert "NOTE: the embedded tiny target (a 1.3M-parameter model" in out
     ev = pd.read_csv(r / "tables/eval.csv")

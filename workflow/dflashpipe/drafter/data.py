@@ -149,6 +149,27 @@ class Batch:
     index: tuple[int, ...] | None = None  # the rows' dataset indices (None: not known, e.g. padded rows)
 
 
+def anchor_mask(loss_mask: torch.Tensor, reach: int) -> torch.Tensor:
+    """The loss mask [1, S] that :func:`~dflashpipe.drafter.masks.sample_anchors` draws anchors from.
+
+    A sample of several loss segments (one per reply of the target in a multi-turn chat) must not have a
+    block whose labels (anchor + 1 .. anchor + ``reach``) run from one reply into the next: the labels
+    between them (the user's turn) weigh nothing, those past it would. So the tail of each segment but
+    the last is left out where the next segment starts within ``reach`` of the anchor; a block may still
+    run past its own reply's end (labels of weight 0), as in a sample of one segment, which is unchanged.
+    """
+    lm = loss_mask[0]
+    starts = torch.nonzero(lm[1:] & ~lm[:-1]).flatten() + 1  # where a segment begins after a gap
+    if len(starts) == 0:
+        return loss_mask
+    out = loss_mask.clone()
+    for g in starts.tolist():
+        # anchors a >= g - reach are out; sample_anchors takes a iff mask[a] and mask[a + 1], so the mask is
+        # cleared from g - reach + 1 to the segment's end (a position of the gap is False already)
+        out[0, max(0, g - reach + 1) : g] = False
+    return out
+
+
 def make_batch(rows: dict, seq_len: int, seeds: list[int], pad_id: int, cfg, device: torch.device,
                pad_rows_to: int = 0, index=None) -> Batch:
     """Collate tokenized rows (dict of columns) into a padded batch with per-sample anchors.
@@ -166,10 +187,11 @@ def make_batch(rows: dict, seq_len: int, seeds: list[int], pad_id: int, cfg, dev
         x = rows["input_ids"][i][:seq_len]
         ids[i, : len(x)] = torch.as_tensor(x, dtype=torch.long)
         lm[i, : len(x)] = torch.as_tensor(rows["loss_mask"][i][: len(x)], dtype=torch.bool)
+    reach = cfg.block_size - 1 + int(getattr(cfg, "arch", None) == "dspark")  # a block's last label: anchor + reach
     anchors, keep = [], []
     for i in range(B):
         g = torch.Generator().manual_seed(seeds[i] if i < n else 0)
-        a, k = sample_anchors(lm[i : i + 1], cfg.num_anchors, cfg.block_size, g)
+        a, k = sample_anchors(anchor_mask(lm[i : i + 1], reach), cfg.num_anchors, cfg.block_size, g)
         anchors.append(a)
         keep.append(k)
     num_tokens = int(sum(min(len(x), seq_len) for x in rows["input_ids"]))

@@ -1,4 +1,4 @@
-"""Tokenization: chat template of the target, loss mask on the assistant reply only.
+"""Tokenization: chat template of the target, loss mask on the target's replies only.
 
 The loss mask covers the tokens of the final assistant turn (the one the target
 regenerated), including its end-of-turn token, and nothing of the prompt. It is
@@ -6,6 +6,11 @@ found without template-specific markers: the tokens of the prompt rendered with
 ``add_generation_prompt=True`` are a prefix of the whole chat's tokens; what
 follows the longest common prefix is the reply. This works for any chat
 template, including ones that insert extra tokens (Qwen3's empty think block).
+A chat the target answered turn by turn (``expand.turns: all``: the expanded
+row's ``turns``) has each of its earlier replies in the loss too, found the same
+way inside the whole chat, one loss segment per reply; a reply the template
+renders otherwise there (one that drops the thinking of past turns) stays out
+of the loss, counted.
 
 A reply the target did not finish (``finish_reason`` ``length``: cut at
 ``expand.max_new_tokens``) must not teach the drafter a stop the target never
@@ -66,9 +71,55 @@ def _reply_end(tokenizer, messages, full, kwargs) -> tuple[int, int]:
     return _common_prefix(open_reply, full), len(open_reply)
 
 
+def _ids_fit(tokenizer, messages, full, start, reply_ids, cut, kwargs) -> int | None:
+    """Where the reply ``messages[-1]`` (its tokens start at ``start`` of ``full``) ends when its generated
+    ``reply_ids`` can stand for it: the template renders the reply text verbatim and the ids decode to it; else None."""
+    content = messages[-1]["content"]
+    try:
+        content_end, open_len = _reply_end(tokenizer, messages, full, kwargs)
+    except Exception:  # noqa: BLE001 - a template that cannot render an open reply: keep the text
+        return None
+    verbatim = (content_end >= start and (not cut or content_end == open_len)
+                and tokenizer.decode(full[start:content_end], skip_special_tokens=True) == content
+                and tokenizer.decode(reply_ids, skip_special_tokens=True) == content)
+    return content_end if verbatim else None
+
+
+def _earlier_reply(tokenizer, messages, m, full, kwargs, reply_ids, use_reply_ids, cut):
+    """The target's earlier reply ``messages[m]`` inside the whole chat's ids ``full``: (full, its loss span or None,
+    outcome). The span runs from the end of the chat before it (rendered to be answered) to the end of its turn
+    (``cut``: to the end of the reply; the closing of the turn was never generated); None (outcome
+    ``not_maskable``) when the template does not render the reply there as written. Outcomes otherwise as
+    :func:`encode_chat`'s ``ids``; with ``use_reply_ids`` the generated ids may replace the text."""
+    head, content = messages[: m + 1], str(messages[m]["content"])
+    start = _common_prefix(_ids(tokenizer, messages[:m], True, kwargs), full)
+    end = _common_prefix(_ids(tokenizer, head, False, kwargs), full)
+    span = tokenizer.decode(full[start:end], skip_special_tokens=True).strip()
+    if end <= start or not span.startswith(content.strip()):
+        return full, None, "not_maskable"
+    if cut:
+        try:
+            end = _reply_end(tokenizer, head, full, kwargs)[0]
+        except Exception:  # noqa: BLE001 - a template that cannot render an open reply
+            return full, None, "not_maskable"
+        span = tokenizer.decode(full[start:end], skip_special_tokens=False)
+        if end <= start or "".join(span.split()) != "".join(content.split()):
+            return full, None, "not_maskable"
+    if reply_ids is None:
+        return full, (start, end), "none"
+    reply_ids = [int(t) for t in reply_ids]
+    if full[start : start + len(reply_ids)] == reply_ids:
+        return full, (start, end), "same"
+    content_end = _ids_fit(tokenizer, head, full, start, reply_ids, cut, kwargs)
+    if content_end is None or not use_reply_ids:
+        return full, (start, end), "retokenized"
+    full = full[:start] + reply_ids + full[content_end:]
+    return full, (start, end + len(reply_ids) - (content_end - start)), "generated"
+
+
 def encode_chat(tokenizer, messages: list[dict], max_length: int, chat_template_kwargs: dict | None = None,
                 cut: bool = False, reply_ids: list[int] | None = None, info: dict | None = None,
-                use_reply_ids: bool = True):
+                use_reply_ids: bool = True, earlier: list[tuple[int, list[int] | None, bool]] | None = None):
     """Return (input_ids, loss_mask, untruncated_length) for a chat ending in the assistant reply.
 
     ``cut``: the reply was cut at the length limit; the tokens the template adds
@@ -80,6 +131,9 @@ def encode_chat(tokenizer, messages: list[dict], max_length: int, chat_template_
     ``info`` (a dict, optional) gets ``ids``: ``none`` (no generated ids),
     ``same``, ``generated`` (differed: the generated ids are used) or
     ``retokenized`` (differed; the re-tokenized text is kept).
+    ``earlier``: the target's earlier replies in the chat, (index in ``messages``, generated ids or None, cut):
+    each in the loss too, a segment of its own (:func:`_earlier_reply`); ``info`` then gets ``turns``, their
+    outcomes (those of ``ids``, or ``not_maskable``: out of the loss).
     """
     kwargs = chat_template_kwargs or {}
     if not messages or messages[-1]["role"] != "assistant":
@@ -92,15 +146,8 @@ def encode_chat(tokenizer, messages: list[dict], max_length: int, chat_template_
         reply_ids = [int(t) for t in reply_ids]
         outcome = "same" if full[start : start + len(reply_ids)] == reply_ids else "retokenized"
         if outcome == "retokenized":
-            content = messages[-1]["content"]
-            try:
-                content_end, open_len = _reply_end(tokenizer, messages, full, kwargs)
-            except Exception:  # noqa: BLE001 - a template that cannot render an open reply: keep the text
-                content_end, open_len = -1, 0
-            verbatim = (content_end >= start and (not cut or content_end == open_len)
-                        and tokenizer.decode(full[start:content_end], skip_special_tokens=True) == content
-                        and tokenizer.decode(reply_ids, skip_special_tokens=True) == content)
-            if verbatim and use_reply_ids:
+            content_end = _ids_fit(tokenizer, messages, full, start, reply_ids, cut, kwargs)
+            if content_end is not None and use_reply_ids:
                 full = full[:start] + reply_ids + full[content_end:]
                 # a cut reply: the closing of the turn was never generated, so it gets no loss
                 end = start + len(reply_ids) if cut else len(full)
@@ -114,9 +161,21 @@ def encode_chat(tokenizer, messages: list[dict], max_length: int, chat_template_
         span = tokenizer.decode(full[start:end], skip_special_tokens=False)
         if end < open_len or end <= start or "".join(span.split()) != "".join(messages[-1]["content"].split()):
             raise ValueError("the chat template renders a cut reply differently from a finished one")
+    segments, turns = [(start, end)], []
+    for m, gen, turn_cut in reversed(earlier or []):  # the latest first: replacing a reply's ids moves what follows
+        before = len(full)
+        full, span, turn_outcome = _earlier_reply(tokenizer, messages, m, full, kwargs, gen, use_reply_ids, turn_cut)
+        turns.insert(0, turn_outcome)
+        if span is not None:
+            shift = len(full) - before
+            segments = [span] + [(a + shift, b + shift) for a, b in segments]
+    if info is not None and earlier:
+        info["turns"] = turns
     ids = full[:max_length]
-    mask = [int(start <= i < end) for i in range(len(ids))]
-    return ids, mask, len(full)
+    mask = np.zeros(len(ids), dtype=np.int64)
+    for a, b in segments:
+        mask[a:b] = 1
+    return ids, mask.tolist(), len(full)
 
 
 def loop_start(ids, max_period: int = 256, min_span: int = 16) -> tuple[int, int] | None:
@@ -168,6 +227,8 @@ class _Tally:
     cut_masked: int = 0  # cut replies kept, their end of turn out of the loss
     loops_cut: int = 0
     id_outcomes: Counter = field(default_factory=Counter)  # encode_chat's info["ids"] per tokenized reply
+    turns: Counter = field(default_factory=Counter)  # the target's replies: regenerated, trained, not_maskable, ...
+    unanswered: Counter = field(default_factory=Counter)  # user turns without a reply of the target, by reason
 
 
 # reason: tokenize's keys, one keyword each (the script passes them by name), beside the inputs and outputs
@@ -228,6 +289,7 @@ def _sample(row, name: str, tokenizer, rules: _Rules, tally: _Tally) -> dict | N
     dropped = tally.dropped
     messages = [dict(t) for t in row.messages]
     reason = str(getattr(row, "finish_reason", ""))
+    earlier = _earlier_turns(row, rules, tally)
     if reason.startswith("skipped_"):  # the expansion could not use the prompt
         dropped[reason] += 1
         return None
@@ -252,11 +314,15 @@ def _sample(row, name: str, tokenizer, rules: _Rules, tally: _Tally) -> dict | N
     try:
         ids, mask, full_len = encode_chat(tokenizer, messages, rules.max_length, rules.chat_template_kwargs, cut=cut,
                                           reply_ids=None if gen is None else list(gen), info=info,
-                                          use_reply_ids=rules.reply_ids == "generated")
+                                          use_reply_ids=rules.reply_ids == "generated", earlier=earlier)
     except ValueError:
         dropped["cut_reply_not_maskable"] += 1
         return None
     tally.id_outcomes[info["ids"]] += 1
+    for (_, _, turn_cut), outcome in zip(earlier, info.get("turns", [])):  # the earlier replies
+        tally.id_outcomes[outcome] += outcome != "not_maskable"
+        tally.turns["not_maskable"] += outcome == "not_maskable"
+        tally.turns["cut_end_out_of_the_loss"] += turn_cut and outcome != "not_maskable"
     tally.truncated += full_len > rules.max_length
     n_loss = sum(mask)
     if n_loss == 0 and len(ids) == rules.max_length:
@@ -266,6 +332,9 @@ def _sample(row, name: str, tokenizer, rules: _Rules, tally: _Tally) -> dict | N
         dropped[f"fewer_than_{rules.min_loss_tokens}_loss_tokens"] += 1
         return None
     tally.cut_masked += cut
+    segments = int(mask[0]) + sum(b > a for a, b in zip(mask, mask[1:]))
+    tally.turns["trained"] += segments
+    tally.turns["samples_with_several"] += segments > 1
     return {
         "dataset": name,
         "id": str(row.id),
@@ -276,6 +345,28 @@ def _sample(row, name: str, tokenizer, rules: _Rules, tally: _Tally) -> dict | N
         "num_loss_tokens": n_loss,
         "bucket": bucket_for(len(ids), rules.buckets),
     }
+
+
+def _earlier_turns(row, rules: _Rules, tally: _Tally) -> list[tuple[int, list[int] | None, bool]]:
+    """The target's replies before the last one in an expanded row (``turns``: expand.turns all), as
+    :func:`encode_chat` takes them (``cut_replies: drop`` leaves a cut one out of the loss, counted); counts
+    the row's replies and its unanswered user turns."""
+    turns = getattr(row, "turns", None)  # absent: an expansion of one reply per row
+    if turns is None or isinstance(turns, float):
+        return []
+    turns = list(turns)
+    tally.turns["regenerated"] += len(turns)
+    why = getattr(row, "unanswered", None)
+    if isinstance(why, str) and row.user_turns > len(turns):
+        tally.unanswered[why] += int(row.user_turns - len(turns))
+    earlier = []
+    for t in turns[:-1]:
+        cut = t["finish_reason"] == "length"
+        if cut and rules.cut_replies == "drop":
+            tally.turns["cut_left_out"] += 1
+            continue
+        earlier.append((int(t["message"]), None if t["token_ids"] is None else list(t["token_ids"]), cut))
+    return earlier
 
 
 def _save(records: list[dict], out_dir: str) -> None:
@@ -324,6 +415,17 @@ def _stats(records: list[dict], rules: _Rules, tally: _Tally, per_dataset: dict,
             "retokenized_differently": int(id_outcomes["generated"] + id_outcomes["retokenized"]),
             "used_generated_ids": int(id_outcomes["generated"]),
             "kept_retokenized_text": int(id_outcomes["retokenized"]),
+        },
+        "turns": {
+            "rule": ("every reply the target wrote is in the loss, one segment each, where the chat template renders "
+                     "it as written inside the whole chat (expand.turns: all answers a chat turn by turn)"),
+            "regenerated": int(tally.turns["regenerated"]),
+            "trained": int(tally.turns["trained"]),
+            "not_maskable": int(tally.turns["not_maskable"]),
+            "cut_end_out_of_the_loss": int(tally.turns["cut_end_out_of_the_loss"]),
+            "cut_left_out": int(tally.turns["cut_left_out"]),
+            "samples_with_several": int(tally.turns["samples_with_several"]),
+            "unanswered": dict(tally.unanswered),
         },
         "min_loss_tokens": rules.min_loss_tokens,
         "max_length": rules.max_length,

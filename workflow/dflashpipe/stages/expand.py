@@ -15,10 +15,16 @@ with continuous batching over a static KV cache and a CUDA-graph decode step
 target's layout allows it, else ``embedded``; ``openai`` sends the prompts
 to an OpenAI-compatible server the user runs (:mod:`dflashpipe.stages.expand_openai`).
 Each backend is opened once per job by a function in :data:`BACKENDS` and
-returns a ``generate(rows, chunk_seed, progress) -> (records, new_tokens)``
-callable; the records have the same columns whatever the backend, among them
-``token_ids``: the ids the target generated for the reply (null when a server
-does not return them).
+returns a ``generate(rows, chunk_seed, progress, num_samples=None) -> (records,
+new_tokens)`` callable; the records have the same columns whatever the backend,
+among them ``token_ids``: the ids the target generated for the reply (null when a
+server does not return them).
+
+A multi-turn chat is regenerated turn by turn (``expand.turns: all``,
+:func:`turn_by_turn`, around every backend's ``generate``): the target answers the
+first user turn, its reply is the context of the second, and so on, so every
+assistant turn of the row is the target's; ``turns: last`` answers the last user
+turn only, the corpus's earlier replies staying in the context.
 """
 
 from __future__ import annotations
@@ -59,12 +65,15 @@ class ExpandSettings:
     chat_template_kwargs: dict
     backend: str  # auto | embedded | batched | openai (see BACKENDS)
     decode_step: str  # batched backend: auto (compiled on a GPU) | compiled | static (see DECODE_STEPS)
+    turns: str  # all: every assistant turn of a multi-turn chat, turn by turn | last: the last reply only
 
     def check(self, where: str = "expand") -> None:
         if self.backend not in BACKENDS:
             raise UserError(f"{where}.backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
         if self.decode_step not in DECODE_STEPS:
             raise UserError(f"{where}.decode_step: {self.decode_step!r} is not one of {', '.join(DECODE_STEPS)}")
+        if self.turns not in TURNS:
+            raise UserError(f"{where}.turns: {self.turns!r} is not one of {', '.join(TURNS)}")
         if self.num_samples > 1 and self.temperature == 0:
             raise UserError(f"{where}.num_samples is {self.num_samples} but temperature is 0: greedy samples are identical; set temperature > 0 or num_samples: 1")
 
@@ -79,8 +88,10 @@ def shard_rows(df: pd.DataFrame, shard: int, n_shards: int) -> pd.DataFrame:
 
 
 def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chunk_seed: int, device: str,
-                    progress=lambda prompts, tokens: None) -> tuple[list[dict], int]:
-    """Generate responses for one chunk of prompts, batched with a KV cache; ``progress(prompts, tokens)`` per batch."""
+                    progress=lambda prompts, tokens: None, num_samples: int | None = None) -> tuple[list[dict], int]:
+    """Generate responses for one chunk of prompts, batched with a KV cache; ``progress(prompts, tokens)`` per batch;
+    ``num_samples`` replies per prompt (None: ``s.num_samples``)."""
+    n_samples = num_samples or s.num_samples
     texts = [prompt_text(tokenizer, p, s.chat_template_kwargs) for p in rows["prompt"]]
     lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
     context = target_context(model)
@@ -90,7 +101,7 @@ def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chu
         {"id": rows["id"].iloc[i], "sample": j, "messages": [dict(t) for t in rows["prompt"].iloc[i]]
          + [{"role": "assistant", "content": ""}], "response": "", "num_prompt_tokens": lengths[i],
          "num_new_tokens": 0, "finish_reason": reason, "token_ids": []}
-        for i, reason in enumerate(skip) if reason for j in range(s.num_samples)
+        for i, reason in enumerate(skip) if reason for j in range(n_samples)
     ]
     progress(sum(r is not None for r in skip), 0)
     order = sorted((i for i in range(len(texts)) if not skip[i]), key=lambda i: lengths[i])  # less padding per batch
@@ -101,7 +112,7 @@ def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chu
         enc = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True, add_special_tokens=False).to(device)
         kwargs, _ = generation_arguments(getattr(model, "generation_config", None), s.max_new_tokens, s.temperature,
                                          s.top_p, sorted(eos_ids), tokenizer.pad_token_id)
-        kwargs["num_return_sequences"] = s.num_samples
+        kwargs["num_return_sequences"] = n_samples
         if s.temperature > 0:
             torch.manual_seed(chunk_seed + start)
         with torch.no_grad():
@@ -109,7 +120,7 @@ def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chu
         gen = gen[:, enc["input_ids"].shape[1] :].cpu()
         tokens_before = new_tokens
         for j, ids in enumerate(gen):
-            i = idx[j // s.num_samples]
+            i = idx[j // n_samples]
             ids = ids.tolist()
             stop = next((k for k, t in enumerate(ids) if t in eos_ids), None)
             kept = ids if stop is None else ids[:stop]
@@ -120,7 +131,7 @@ def _generate_chunk(model, tokenizer, rows: pd.DataFrame, s: ExpandSettings, chu
             out.append(
                 {
                     "id": rows["id"].iloc[i],
-                    "sample": j % s.num_samples,
+                    "sample": j % n_samples,
                     "messages": prompt + [{"role": "assistant", "content": response}],
                     "response": response,
                     "num_prompt_tokens": lengths[i],
@@ -151,8 +162,8 @@ def _open_embedded(target_path: str, s: ExpandSettings, device: str, server: Ser
         tokenizer.pad_token = tokenizer.eos_token
     _log_neutralised(getattr(model, "generation_config", None), s, log)
 
-    def generate(rows, chunk_seed, progress):
-        return _generate_chunk(model, tokenizer, rows, s, chunk_seed, device, progress)
+    def generate(rows, chunk_seed, progress, num_samples=None):
+        return _generate_chunk(model, tokenizer, rows, s, chunk_seed, device, progress, num_samples)
 
     return generate
 
@@ -179,19 +190,20 @@ def _open_batched(target_path: str, s: ExpandSettings, device: str, server: Serv
     compile_step = s.decode_step == "compiled" or (s.decode_step == "auto" and device.startswith("cuda"))
     decoder = None
 
-    def generate(rows, chunk_seed, progress):
+    def generate(rows, chunk_seed, progress, num_samples=None):
         nonlocal decoder
+        n_samples = num_samples or s.num_samples
         ids, skip = _chunk_prompts(tokenizer, rows, s, context)
         progress(sum(r is not None for r in skip), 0)
         todo = [i for i, r in enumerate(skip) if not r]
         # shortest prompts first, as the embedded backend: prefill groups with little padding
-        requests = [i for i in sorted(todo, key=lambda i: len(ids[i])) for _ in range(s.num_samples)]
+        requests = [i for i in sorted(todo, key=lambda i: len(ids[i])) for _ in range(n_samples)]
         finished = 0
 
         def request_done(n: int, tokens: int) -> None:  # progress counts prompts: a prompt is done with its last sample
             nonlocal finished
-            before, finished = finished // s.num_samples, finished + n
-            progress(finished // s.num_samples - before, tokens)
+            before, finished = finished // n_samples, finished + n
+            progress(finished // n_samples - before, tokens)
 
         results = []
         for group in length_groups([len(ids[i]) + s.max_new_tokens for i in requests]):
@@ -214,7 +226,7 @@ def _open_batched(target_path: str, s: ExpandSettings, device: str, server: Serv
         out, new_tokens, sample = [], 0, {}
         for i, reason in enumerate(skip):
             if reason:
-                out += [_record(rows, i, j, len(ids[i]), "", [], reason) for j in range(s.num_samples)]
+                out += [_record(rows, i, j, len(ids[i]), "", [], reason) for j in range(n_samples)]
         for i, (gen, finish) in zip(requests, results):
             kept = gen[:-1] if finish == "stop" else gen
             j = sample[i] = sample.get(i, -1) + 1
@@ -225,9 +237,141 @@ def _open_batched(target_path: str, s: ExpandSettings, device: str, server: Serv
     return generate
 
 
-#: the columns of an expanded reply, whatever the backend (an empty shard writes them too)
+#: the columns of an expanded reply, whatever the backend (an empty shard writes them too); ``turns``,
+#: ``user_turns`` and ``unanswered``: :func:`turn_by_turn`
 RECORD_COLUMNS = ["id", "sample", "messages", "response", "num_prompt_tokens", "num_new_tokens", "finish_reason",
-                  "token_ids"]
+                  "token_ids", "turns", "user_turns", "unanswered"]
+
+#: expand.turns: all (every user turn of a chat answered, turn by turn) | last (the last one only)
+TURNS = schema_enum("expand.turns")
+
+#: the roles of a chat regenerated turn by turn; a row with a turn of another role (a tool's) gets its last reply only
+CHAT_ROLES = ("system", "user", "assistant")
+
+#: added to a chunk's seed per round of :func:`turn_by_turn` (round 0 draws as a single-turn expansion does)
+ROUND_SEED_STEP = 7_919
+
+
+def turn_plan(prompt: list[dict], turns: str) -> tuple[list[int], int, str | None]:
+    """(indices of the user turns the target answers, the row's user turns, why it answers fewer, or None).
+
+    A row's user turns are those the corpus answers (the next turn is an assistant's) and its last turn.
+    ``turns: last``, or a row holding a turn of another role (a tool's), answers the last one only."""
+    points = [i for i in range(len(prompt) - 1) if prompt[i]["role"] == "user" and prompt[i + 1]["role"] == "assistant"]
+    points.append(len(prompt) - 1)
+    if len(points) > 1 and turns == "last":
+        return points[-1:], len(points), "turns_last"
+    if len(points) > 1 and any(t["role"] not in CHAT_ROLES for t in prompt):
+        return points[-1:], len(points), "tool_turns"
+    return points, len(points), None
+
+
+def _next_turns(prompt: list[dict], points: list[int], k: int) -> list[dict]:
+    """The corpus turns up to user turn ``points[k]`` that follow the reply to ``points[k - 1]`` (the corpus's
+    own reply to it left out: the target's takes its place)."""
+    if k == 0:
+        return [dict(t) for t in prompt[: points[0] + 1]]
+    turns = prompt[points[k - 1] + 1 : points[k] + 1]
+    while turns[0]["role"] == "assistant":
+        turns = turns[1:]
+    return [dict(t) for t in turns]
+
+
+def _turn(record: dict) -> dict:
+    """One regenerated assistant turn: its index in ``messages`` and what generating it gave."""
+    return {"message": len(record["messages"]) - 1, "finish_reason": record["finish_reason"],
+            "num_prompt_tokens": record["num_prompt_tokens"], "num_new_tokens": record["num_new_tokens"],
+            "token_ids": record["token_ids"]}
+
+
+def _answer(chain: dict, record: dict, more: bool) -> bool:
+    """Add the reply ``record`` to ``chain`` (one sample of one row); whether the chain goes on to its next user
+    turn (``more``: the row has one). A chain stops at a skipped context (too long for the target) and at an empty
+    reply (after the first turn: left out); ``unanswered`` says why. A reply cut at the length limit goes on, as
+    the target wrote it (tokenize takes its unmade end of turn out of the loss)."""
+    reason, empty = record["finish_reason"], not str(record["response"]).strip()
+    first = not chain["turns"]
+    if reason.startswith("skipped_") or (empty and not first):
+        chain["unanswered"] = reason if reason.startswith("skipped_") else "empty_reply"
+        if first:  # the row's record says why it was skipped, as a single-turn expansion does
+            chain["last"] = record
+        return False
+    chain["last"] = record
+    chain["turns"].append(_turn(record))
+    if more and empty:
+        chain["unanswered"] = "empty_reply"
+        return False
+    return more
+
+
+def turn_by_turn(generate, s: ExpandSettings):
+    """A backend's ``generate`` that answers the user turns of each row in turn (:func:`turn_plan`).
+
+    Round k generates the reply to user turn k of every row that has one, in the context of the target's own
+    earlier replies; after round 0 (``num_samples`` replies per row, as a single-turn expansion) each sample
+    goes on as its own chain. A record's ``turns`` lists the target's replies (index in ``messages``, finish
+    reason, token ids); its reply columns are those of the last; ``user_turns`` counts the row's user turns
+    and ``unanswered`` says why some have no reply of the target (None: all have)."""
+
+    def run(rows, chunk_seed, progress):
+        prompts, ids = list(rows["prompt"]), list(rows["id"])
+        plans = [turn_plan(p, s.turns) for p in prompts]
+        single = all(len(points) == 1 for points, _, _ in plans)
+
+        def quiet(n_prompts: int, tokens: int) -> None:  # a row is counted once all its turns are answered
+            progress(0, tokens)
+
+        first = pd.DataFrame({"id": ids, "prompt": [_next_turns(p, plan[0], 0) for p, plan in zip(prompts, plans)]})
+        records, new_tokens = generate(first, chunk_seed, progress if single else quiet)
+        row_of = {rid: i for i, rid in enumerate(ids)}
+        chains, live = [], []
+        for r in records:
+            i = row_of[r["id"]]
+            chain = {"row": i, "sample": r["sample"], "last": r, "turns": [], "unanswered": plans[i][2]}
+            chains.append(chain)
+            if _answer(chain, r, len(plans[i][0]) > 1):
+                live.append(chain)
+        open_rows = {}  # row -> its chains still going
+        for c in live:
+            open_rows[c["row"]] = open_rows.get(c["row"], 0) + 1
+        if not single:
+            progress(len(rows) - len(open_rows), 0)
+        k = 1
+        while live:
+            batch = pd.DataFrame({"id": range(len(live)), "prompt": [
+                [dict(t) for t in c["last"]["messages"]] + _next_turns(prompts[c["row"]], plans[c["row"]][0], k)
+                for c in live]})
+            records, n_new = generate(batch, chunk_seed + k * ROUND_SEED_STEP, quiet, num_samples=1)
+            new_tokens += n_new
+            going, finished = [], 0
+            for r in records:
+                chain = live[r["id"]]
+                if _answer(chain, r, k + 1 < len(plans[chain["row"]][0])):
+                    going.append(chain)
+                else:
+                    open_rows[chain["row"]] -= 1
+                    finished += open_rows[chain["row"]] == 0
+            progress(finished, 0)
+            live, k = going, k + 1
+        out = []
+        for c in chains:
+            i = c["row"]
+            out.append({**c["last"], "id": ids[i], "sample": c["sample"], "turns": c["turns"],
+                        "user_turns": plans[i][1], "unanswered": c["unanswered"]})
+        return out, new_tokens
+
+    return run
+
+
+def turn_counts(df: pd.DataFrame) -> dict:
+    """The assistant turns of an expansion: regenerated, and the user turns left without a reply of the
+    target, by reason (``unanswered``: turns_last, tool_turns, a skip reason, empty_reply)."""
+    regenerated, unanswered = 0, {}
+    for turns, user_turns, reason in zip(df["turns"], df["user_turns"], df["unanswered"]):
+        regenerated += len(turns)
+        if isinstance(reason, str) and user_turns > len(turns):
+            unanswered[reason] = unanswered.get(reason, 0) + int(user_turns - len(turns))
+    return {"regenerated": regenerated, "unanswered": unanswered}
 
 
 def length_groups(needs: list[int]) -> list[list[tuple[int, int]]]:
@@ -316,17 +460,19 @@ def _open_openai(target_path: str, s: ExpandSettings, device: str, server: Serve
     backend = OpenAIBackend(server, tokenizer, target_path, s, set(end_token_ids(tokenizer, gen_config)), log=log)
     warned = False
 
-    def generate(rows, chunk_seed, progress):
+    def generate(rows, chunk_seed, progress, num_samples=None):
         nonlocal warned
+        n_samples = num_samples or s.num_samples
         texts = [prompt_text(tokenizer, p, s.chat_template_kwargs) for p in rows["prompt"]]
         lengths = [len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         skip = [screen_prompt(p, n, context, s.max_new_tokens) for p, n in zip(rows["prompt"], lengths)]
         progress(sum(r is not None for r in skip), 0)
-        done = backend.generate_chunk(rows, lengths, [i for i, r in enumerate(skip) if not r], chunk_seed, progress)
+        done = backend.generate_chunk(rows, lengths, [i for i, r in enumerate(skip) if not r], chunk_seed, progress,
+                                      n_samples)
         out, new_tokens = [], 0
         for i, reason in enumerate(skip):  # the row order of the embedded backend does not matter; this one is fixed
             prompt = [dict(t) for t in rows["prompt"].iloc[i]]
-            for j in range(s.num_samples):
+            for j in range(n_samples):
                 rec = ({"response": "", "num_new_tokens": 0, "finish_reason": reason, "token_ids": []} if reason
                        else done[(i, j)])
                 new_tokens += rec["num_new_tokens"] + (rec["finish_reason"] == "stop")
@@ -403,7 +549,8 @@ def expand_prompts(
     t0, gen_tokens = time.time(), 0
     if todo:  # a shard with nothing left to generate (or no prompts at all) loads no model
         check_chat_template(prompts, target_path, settings, prompts_path)
-        generate = BACKENDS[settings.backend](target_path, settings, device, server or ServerSettings(), log)
+        backend = BACKENDS[settings.backend](target_path, settings, device, server or ServerSettings(), log)
+        generate = turn_by_turn(backend, settings)  # a multi-turn chat answered turn by turn (expand.turns)
         gen_tokens = _generate_chunks(generate, prompts, todo, work, settings, shard, n_chunks, log)
     elif not n_chunks:
         log(f"shard {shard} of {n_shards} has no prompts (the dataset has fewer rows than shards): writing an empty output")
@@ -421,6 +568,7 @@ def expand_prompts(
         "finish_reason": df["finish_reason"].value_counts().to_dict() if len(df) else {},
         "mean_new_tokens": float(df["num_new_tokens"].mean()) if len(df) else 0.0,
         "replies_without_token_ids": int(df["token_ids"].isna().sum()) if "token_ids" in df else len(df),
+        "turns": turn_counts(df),
     }
     log(f"expansion done: {summary}")
     return summary

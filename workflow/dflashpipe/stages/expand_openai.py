@@ -264,11 +264,14 @@ class OpenAIBackend:
                 "num_new_tokens": max(0, completion - (reason == "stop")),  # the end token is not counted (as embedded)
                 "finish_reason": "length" if reason == "length" else "stop"}
 
-    def generate_chunk(self, rows, lengths: list[int], todo: list[int], chunk_seed: int, progress) -> dict:
-        """``{(row index, sample): record fields}`` for the rows in ``todo``; ``progress(prompts, tokens)`` per prompt."""
+    def generate_chunk(self, rows, lengths: list[int], todo: list[int], chunk_seed: int, progress,
+                       num_samples: int | None = None) -> dict:
+        """``{(row index, sample): record fields}`` for the rows in ``todo``, ``num_samples`` each (None: the
+        settings'); ``progress(prompts, tokens)`` per prompt."""
         s = self.s
-        jobs = [(i, j) for i in todo for j in range(s.num_samples)]
-        out, left = {}, {i: s.num_samples for i in todo}
+        n_samples = num_samples or s.num_samples
+        jobs = [(i, j) for i in todo for j in range(n_samples)]
+        out, left = {}, {i: n_samples for i in todo}
         pool = ThreadPoolExecutor(max_workers=max(1, self.server.concurrency), thread_name_prefix="expand-request")
         failed = True
         try:
