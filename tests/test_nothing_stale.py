@@ -65,9 +65,9 @@ def test_a_plain_rerun_makes_a_deleted_drafter_and_plot_again(mini_copy):
     assert planned_rules(work, "--configfile", str(cfg)) == {}
 
 
-def test_a_lost_tiny_target_is_trained_again_by_the_plain_rerun(mini_copy):
+def test_a_lost_tiny_target_is_made_again_by_the_plain_rerun(mini_copy):
     """target.path null and the tiny target's weights deleted: every command stopped while planning;
-    now the plain rerun trains it again (the same bytes: one thread, the same seed)."""
+    now the plain rerun makes them again, the same bytes (restored: its inputs are what they were)."""
     work, cfg = mini_copy
     weights = work / "results/target/model/model.safetensors"
     before = sha256(weights)
@@ -75,6 +75,44 @@ def test_a_lost_tiny_target_is_trained_again_by_the_plain_rerun(mini_copy):
     res = run(work, cfg, str(weights.relative_to(work)))
     assert res.returncode == 0, res.stderr[-3000:]
     assert sha256(weights) == before
+
+
+# the jobs that read math's prompts, directly or through what they make -> their logs (training finds its
+# finished run by its own identity: results/train/checkpoints/<identity>)
+READ_MATH = {"tiny_target": "target/tiny_target", "expand_shard": "expand/math.shard0", "merge_expanded": "expand/math.merge",
+             "tokenize": "tokenize/tokenize", "export": "export/export", "ar_draft": "ar_draft/ar_draft",
+             "evaluate": "evaluate/math_heldout"}
+
+
+def _last_run(log: Path) -> str:
+    text = log.read_text()
+    return text[text.rindex(": start (pid"):]
+
+
+def test_a_rebuilt_input_of_the_same_content_recomputes_nothing(mini_copy):
+    """A deleted prompts table is made again with the same bytes: every job after it (re-expansion, the
+    tiny target, training, evaluation) found its inputs newer and ran again in full. Now each finds its
+    inputs' content, params and code as they were and restores its outputs; the results are the same
+    bytes and the next plan is empty. Told to (--forcerun), a job computes."""
+    work, cfg = mini_copy
+    r = work / "results"
+    kept = ["expanded/math.parquet", "tokenized/train/data-00000-of-00001.arrow", "target/model/model.safetensors",
+            "train/final.safetensors", "drafter/model.safetensors", "ar_draft/model.safetensors",
+            "eval/math_heldout.summary.json", "tables/eval.csv"]
+    before = {f: sha256(r / f) for f in kept}
+    (r / "prompts/math.parquet").unlink()
+    res = run(work, cfg)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert {f: sha256(r / f) for f in kept} == before
+    for rule, log in READ_MATH.items():
+        assert "restored" in _last_run(r / f"logs/{log}.log"), rule
+    assert "no step is trained" in _last_run(r / "logs/train/train.log")
+    assert planned_rules(work, "--configfile", str(cfg)) == {}
+
+    res = run(work, cfg, "--forcerun", "evaluate")
+    assert res.returncode == 0, res.stderr[-3000:]
+    evaluated = _last_run(r / "logs/evaluate/math_heldout.log")
+    assert "restored" not in evaluated and "leased slot" in evaluated
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from dflashpipe.config import DATASET_NAME, prepare_config, run_gpus
 from dflashpipe.jobs.checkout import pin_code
 from dflashpipe.jobs.errors import UserError
 from dflashpipe.jobs.filedigest import share_cache
+from dflashpipe.jobs.memo import FORCED_ENV, forced_rules
 from dflashpipe.wiring import Pipeline
 
 # the jobs (new Python processes) import this checkout's library, not an installed one
@@ -45,3 +46,13 @@ paths = pipeline.paths
 # the jobs' cache of big files' digests (a target's weights are read once per file version); a dry run
 # reads it and writes nothing
 share_cache(config["results"], write=not workflow.output_settings.dryrun)
+
+
+# the rules told to run again (--forcerun, -F, -f) compute, never restore their kept outputs
+# (dflashpipe.jobs.memo): the jobs this process starts, a cluster's too, inherit the variable
+onstart:
+    os.environ[FORCED_ENV] = forced_rules(
+        workflow.dag_settings.forceall,
+        workflow.dag_settings.forcetargets,
+        workflow.dag_settings.forcerun,
+    )

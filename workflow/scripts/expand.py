@@ -1,30 +1,34 @@
 from dflashpipe.jobs.compile_cache import use_leased_slot_cache
 from dflashpipe.jobs.lease import lease_for_job
+from dflashpipe.jobs.memo import Memo
 from dflashpipe.jobs.runtime import job
 from dflashpipe.jobs.settings import on_server, settings
 from dflashpipe.stages.expand import ExpandSettings, expand_prompts
 from dflashpipe.stages.expand_openai import ServerSettings
 
 with job(snakemake.log[0], threads=snakemake.threads, name=f"expand {snakemake.wildcards.dataset} shard {snakemake.wildcards.shard}", outputs=snakemake.output) as log:
-    p = snakemake.params
-    expand_settings = settings(ExpandSettings, snakemake.config["expand"], seed=p.seed)  # seed: 0 when greedy
-    server = settings(ServerSettings, snakemake.config["expand"]["server"])  # operational: read at run time
-    if not on_server(expand_settings.backend):  # the target runs in this job
-        lease = lease_for_job(snakemake.config)  # any free GPU slot
-        log(f"leased slot {lease.slot}: device {lease.device}")
-        use_leased_slot_cache(snakemake.config, lease, log)
-        device = lease.device
-    else:  # the server generates; this job only tokenizes and sends requests
-        log(f"backend {expand_settings.backend}: no GPU slot leased; server {server.url}")
-        device = "cpu"
-    expand_prompts(
-        snakemake.input.prompts,
-        snakemake.params.target,
-        expand_settings,
-        snakemake.output[0],
-        shard=int(snakemake.wildcards.shard),
-        n_shards=snakemake.params.n_shards,
-        device=device,
-        log=log,
-        server=server,
-    )
+    memo = Memo(snakemake)
+    if not memo.restore(log):  # the same inputs (by content), params and code: their outputs
+        p = snakemake.params
+        expand_settings = settings(ExpandSettings, snakemake.config["expand"], seed=p.seed)  # seed: 0 when greedy
+        server = settings(ServerSettings, snakemake.config["expand"]["server"])  # operational: read at run time
+        if not on_server(expand_settings.backend):  # the target runs in this job
+            lease = lease_for_job(snakemake.config)  # any free GPU slot
+            log(f"leased slot {lease.slot}: device {lease.device}")
+            use_leased_slot_cache(snakemake.config, lease, log)
+            device = lease.device
+        else:  # the server generates; this job only tokenizes and sends requests
+            log(f"backend {expand_settings.backend}: no GPU slot leased; server {server.url}")
+            device = "cpu"
+        expand_prompts(
+            snakemake.input.prompts,
+            snakemake.params.target,
+            expand_settings,
+            snakemake.output[0],
+            shard=int(snakemake.wildcards.shard),
+            n_shards=snakemake.params.n_shards,
+            device=device,
+            log=log,
+            server=server,
+        )
+        memo.keep(log)

@@ -3,6 +3,7 @@ from dflashpipe.inputs.target import target_fingerprint, write_target_id
 from dflashpipe.inputs.tiny_target import TinyTargetConfig, train_tiny_target
 from dflashpipe.jobs.errors import UserError
 from dflashpipe.jobs.folders import folder_of
+from dflashpipe.jobs.memo import Memo
 from dflashpipe.jobs.runtime import job
 from dflashpipe.jobs.settings import settings
 
@@ -16,13 +17,16 @@ def chats(path):
 
 
 with job(snakemake.log[0], threads=snakemake.threads, name="tiny_target", outputs=snakemake.output) as log:
-    # the whole section (params hold the result-changing keys only to trigger reruns)
-    cfg = settings(TinyTargetConfig, snakemake.config["target"]["tiny"], seed=snakemake.config["seed"])
-    train = [c for path in snakemake.input.train for c in chats(path)]
-    model = folder_of(snakemake.output.model)
-    metrics = train_tiny_target(train, chats(snakemake.input.heldout), cfg, model, snakemake.output.metrics, log=log)
-    write_target_id(snakemake.output.target_id, target_fingerprint(model))
-    log(
-        f"held-out loss {metrics['heldout_loss']:.3f}, {metrics['tokens_per_second']:.0f} tok/s, "
-        f"{metrics['train_minutes']:.1f} min, format ok {metrics['format_ok']:.0%}"
-    )
+    memo = Memo(snakemake)
+    if not memo.restore(log):  # the same inputs (by content), params and code: their outputs
+        # the whole section (params hold the result-changing keys only to trigger reruns)
+        cfg = settings(TinyTargetConfig, snakemake.config["target"]["tiny"], seed=snakemake.config["seed"])
+        train = [c for path in snakemake.input.train for c in chats(path)]
+        model = folder_of(snakemake.output.model)
+        metrics = train_tiny_target(train, chats(snakemake.input.heldout), cfg, model, snakemake.output.metrics, log=log)
+        write_target_id(snakemake.output.target_id, target_fingerprint(model))
+        log(
+            f"held-out loss {metrics['heldout_loss']:.3f}, {metrics['tokens_per_second']:.0f} tok/s, "
+            f"{metrics['train_minutes']:.1f} min, format ok {metrics['format_ok']:.0%}"
+        )
+        memo.keep(log)
