@@ -125,11 +125,11 @@ def test_server_expansion_matches_the_embedded_backend(server, served_target, pr
     assert [m[-1]["content"] for m in b["messages"]] == list(b["response"])
 
     # tokenize: the embedded replies carry ids (some re-tokenize differently), the server's do not
-    st_a = tokenize_expanded({"math": str(emb)}, str(served_target), 2, [512], str(tmp_path / "ta"), str(tmp_path / "a.json"),
+    st_a = tokenize_expanded({"math": str(emb)}, str(served_target), [512], str(tmp_path / "ta"), str(tmp_path / "a.json"),
                              reply_ids="generated", log=lambda m: None)
-    st_text = tokenize_expanded({"math": str(emb)}, str(served_target), 2, [512], str(tmp_path / "tt"),
+    st_text = tokenize_expanded({"math": str(emb)}, str(served_target), [512], str(tmp_path / "tt"),
                                 str(tmp_path / "t.json"), log=lambda m: None)  # the default: the text, differences counted
-    st_b = tokenize_expanded({"math": str(srv)}, str(served_target), 2, [512], str(tmp_path / "tb"), str(tmp_path / "b.json"),
+    st_b = tokenize_expanded({"math": str(srv)}, str(served_target), [512], str(tmp_path / "tb"), str(tmp_path / "b.json"),
                              log=lambda m: None)
     ga, gb = st_a["generated_ids"], st_b["generated_ids"]
     assert ga["replies_without_ids"] == 0 and ga["replies_with_ids"] > 0

@@ -165,9 +165,10 @@ def test_run_data_holds_out_a_share_of_a_small_corpus_and_says_so(one_rank_group
     from dflashpipe.drafter.run import TrainConfig
 
     assert (TrainConfig.heldout_samples, TrainConfig.heldout_fraction) == (64, 0.05)  # the schema's defaults
-    ds = Dataset.from_dict({"dataset": ["math"] * n, "id": [str(i) for i in range(n)], "bucket": [128] * n})
+    ds = Dataset.from_dict({"dataset": ["math"] * n, "id": [str(i) for i in range(n)], "bucket": [128] * n,
+                            "num_loss_tokens": [16] * n})
     cfg = SimpleNamespace(heldout_samples=64, heldout_fraction=0.05, seed=0, batch_size=4, epochs=1.0,
-                          max_steps=None, repeat={})
+                          max_steps=None, repeat={}, block_size=4)
     lines = []
     data = run_data(ds, cfg, pad_id=0, source="t", log=lines.append)
     expected = 14 if n == 295 else 64  # one sample per prompt: exactly N

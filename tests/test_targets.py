@@ -97,14 +97,14 @@ def test_loss_mask_with_a_default_system_turn_and_cut_replies(micro_target, tmp_
     rows = [{"id": str(i), "sample": 0, "messages": chat[:1] + [{"role": "assistant", "content": "word " * 20}],
              "finish_reason": reason} for i, reason in enumerate(["stop", "length", "length"])]
     pd.DataFrame(rows).to_parquet(tmp_path / "e.parquet")
-    stats = tokenize_expanded({"x": str(tmp_path / "e.parquet")}, str(path), 2, [128], str(tmp_path / "tok"),
+    stats = tokenize_expanded({"x": str(tmp_path / "e.parquet")}, str(path), [128], str(tmp_path / "tok"),
                               str(tmp_path / "s.json"), log=lambda m: None)
     assert stats["samples"] == 3 and stats["cut_replies"]["kept_with_end_of_turn_out_of_the_loss"] == 2
     import datasets
 
     n_loss = datasets.load_from_disk(str(tmp_path / "tok"))["num_loss_tokens"]
     assert n_loss[0] == n_loss[1] + 2 == n_loss[2] + 2  # <|im_end|> and its newline
-    stats = tokenize_expanded({"x": str(tmp_path / "e.parquet")}, str(path), 2, [128], str(tmp_path / "tok2"),
+    stats = tokenize_expanded({"x": str(tmp_path / "e.parquet")}, str(path), [128], str(tmp_path / "tok2"),
                               str(tmp_path / "s2.json"), cut_replies="drop", log=lambda m: None)
     assert stats["samples"] == 1 and stats["dropped"] == {"cut_reply": 2}
 
@@ -147,7 +147,7 @@ def test_cut_loop_keeps_a_looping_reply_up_to_its_loop(micro_target, tmp_path):
             {"id": "done", "sample": 0, "finish_reason": "stop", "token_ids": looping,
              "messages": prompt + [{"role": "assistant", "content": tok.decode(looping)}]}]
     pd.DataFrame(rows).to_parquet(tmp_path / "e.parquet")
-    stats = tokenize_expanded({"x": str(tmp_path / "e.parquet")}, str(path), 2, [256], str(tmp_path / "tok"),
+    stats = tokenize_expanded({"x": str(tmp_path / "e.parquet")}, str(path), [256], str(tmp_path / "tok"),
                               str(tmp_path / "s.json"), cut_replies="cut_loop", reply_ids="generated",
                               log=lambda m: None)
     import datasets

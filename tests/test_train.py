@@ -306,9 +306,9 @@ def test_repeat_weighs_a_training_dataset_and_never_holds_out_a_copy(one_rank_gr
     from dflashpipe.drafter.data import run_data
 
     ds = Dataset.from_dict({"dataset": ["math"] * 40 + ["code"] * 20, "id": [str(i) for i in range(60)],
-                            "bucket": [128] * 60})
+                            "bucket": [128] * 60, "num_loss_tokens": [16] * 60})
     cfg = SimpleNamespace(heldout_samples=6, heldout_fraction=0.1, seed=0, batch_size=4, epochs=1.0, max_steps=None,
-                          repeat={})
+                          repeat={}, block_size=4)
     plain = run_data(ds, cfg, pad_id=0, source="t")
     weighed = run_data(ds, SimpleNamespace(**{**vars(cfg), "repeat": {"code": 3}}), pad_id=0, source="t")
     assert (weighed.heldout_idx == plain.heldout_idx).all()
@@ -317,6 +317,32 @@ def test_repeat_weighs_a_training_dataset_and_never_holds_out_a_copy(one_rank_gr
     assert all(counts[i] == (3 if i in code else 1) for i in plain.train_idx.tolist())
     assert not set(weighed.train_idx.tolist()) & set(plain.heldout_idx.tolist())
     assert weighed.steps_per_epoch == len(weighed.train_idx) // 4 > plain.steps_per_epoch == len(plain.train_idx) // 4
+
+
+def test_a_run_trains_on_the_samples_long_enough_for_its_blocks(one_rank_group):
+    """The tokenized data is every run's (it does not depend on the drafter): a run leaves out the samples
+    with fewer than 2 x block_size loss tokens, says how many, and holds out among the rest; none left is one
+    line naming the key."""
+    from types import SimpleNamespace
+
+    from datasets import Dataset
+
+    from dflashpipe.drafter.data import run_data
+    from dflashpipe.jobs.errors import UserError
+
+    loss = [4, 40] * 30  # every other sample too short for blocks of 8
+    ds = Dataset.from_dict({"dataset": ["math"] * 60, "id": [str(i) for i in range(60)], "bucket": [128] * 60,
+                            "num_loss_tokens": loss})
+    cfg = SimpleNamespace(heldout_samples=3, heldout_fraction=0.5, seed=0, batch_size=4, epochs=1.0, max_steps=None,
+                          repeat={}, block_size=8)
+    lines = []
+    data = run_data(ds, cfg, pad_id=0, source="t", log=lines.append)
+    used = set(data.train_idx.tolist()) | set(data.heldout_idx.tolist())
+    assert used == {i for i in range(60) if loss[i] >= 16} and len(data.heldout_idx) == 3
+    assert lines == ["30 of 60 samples have fewer than 16 loss tokens (2 x drafter.block_size 8): not trained on"]
+    assert len(run_data(ds, SimpleNamespace(**{**vars(cfg), "block_size": 2}), pad_id=0, source="t").train_idx) == 57
+    with pytest.raises(UserError, match=r"^train: no sample of t has 96 loss tokens \(2 x drafter.block_size 48\)"):
+        run_data(ds, SimpleNamespace(**{**vars(cfg), "block_size": 48}), pad_id=0, source="t")
 
 
 # -- 6. it learns ------------------------------------------------------------------------

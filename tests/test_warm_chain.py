@@ -100,6 +100,11 @@ def test_drafter_config_change_invalidates_stamps_but_lr_does_not(mini_run):
     assert {"warm_slot", "train"} <= set(changed)
     assert not {"expand_shard", "tokenize", "tiny_target"} & set(changed)
     cfg = mini_config()
+    cfg["drafter"]["block_size"] = 6  # the tokenized data is every drafter's: no key of this section retokenizes
+    changed = planned_rules(work, "--configfile", str(write_config(work / "block.yaml", cfg)))
+    assert {"warm_slot", "train", "export", "evaluate"} <= set(changed)
+    assert not {"expand_shard", "tokenize", "ar_draft", "tiny_target"} & set(changed)
+    cfg = mini_config()
     cfg["train"]["lr"] = 1e-3
     changed = planned_rules(work, "--configfile", str(write_config(work / "lr.yaml", cfg)))
     assert "warm_slot" not in changed and "train" in changed

@@ -1,5 +1,5 @@
 rule tokenize:
-    """Chat template + assistant-only loss mask + length filter -> one datasets dataset."""
+    """Chat template + loss mask on the target's replies -> one datasets dataset (not the drafter's: any run reads it)."""
     input:
         expanded=pipeline.expanded_train(),
         target=pipeline.target_inputs(),
@@ -15,7 +15,6 @@ rule tokenize:
         code=pipeline.code("tokenize.py"),
         target=pipeline.target_dir(),
         names=pipeline.datasets_for("train"),
-        block_size=config["drafter"]["block_size"],
         buckets=config["tokenize"]["buckets"],
         cut_replies=config["tokenize"]["cut_replies"],
         reply_ids=config["tokenize"]["reply_ids"],

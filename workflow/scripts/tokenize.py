@@ -9,8 +9,7 @@ with job(snakemake.log[0], threads=snakemake.threads, name="tokenize", outputs=s
         tokenize_expanded(
             dict(zip(snakemake.params.names, snakemake.input.expanded)),
             snakemake.params.target,
-            snakemake.params.block_size,
-            snakemake.params.buckets,
+                snakemake.params.buckets,
             folder_of(snakemake.output.data),
             snakemake.output.stats,
             chat_template_kwargs=snakemake.params.chat_template_kwargs,

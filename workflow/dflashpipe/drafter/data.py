@@ -110,16 +110,33 @@ class RunData:
                           index=idx)
 
 
+def long_enough(ds, cfg, source: str, log=print) -> np.ndarray:
+    """The indices of the samples with at least 2 x ``block_size`` loss tokens: a full block to learn from
+    (the tokenized data keeps shorter ones for drafters of shorter blocks); a line says how many are left out."""
+    need = 2 * cfg.block_size
+    usable = np.flatnonzero(np.asarray(ds["num_loss_tokens"], dtype=np.int64) >= need)
+    if len(usable) < len(ds):
+        log(f"{len(ds) - len(usable)} of {len(ds)} samples have fewer than {need} loss tokens (2 x drafter.block_size "
+            f"{cfg.block_size}): not trained on")
+    if not len(usable):
+        raise UserError(f"train: no sample of {source} has {need} loss tokens (2 x drafter.block_size "
+                        f"{cfg.block_size}); lower drafter.block_size, or raise expand.max_new_tokens or the largest "
+                        "of tokenize.buckets")
+    return usable
+
+
 def run_data(ds, cfg, pad_id: int, source: str, log=print) -> RunData:
     """A run's tokenized data ``ds`` (:func:`dflashpipe.inputs.tokenize.load_tokenized` of ``source``), its
     held-out split and the number of steps (the same on every rank). ``cfg``: the run's
     :class:`~dflashpipe.drafter.train.TrainConfig`; ``log`` gets a line when the fraction lowers the cap."""
     buckets = np.asarray(ds["bucket"], dtype=np.int64)
     names = list(ds["dataset"])
-    n_heldout = heldout_size(len(ds), cfg.heldout_samples, cfg.heldout_fraction)
-    train_idx, heldout_idx = heldout_split(names, list(ds["id"]), n_heldout)
+    usable = long_enough(ds, cfg, source, log)
+    n_heldout = heldout_size(len(usable), cfg.heldout_samples, cfg.heldout_fraction)
+    train_pos, heldout_pos = heldout_split([names[i] for i in usable], [ds["id"][i] for i in usable], n_heldout)
+    train_idx, heldout_idx = usable[train_pos], usable[heldout_pos]
     if n_heldout < cfg.heldout_samples:
-        log(f"held out {len(heldout_idx)} of {len(ds)} samples ({len(heldout_idx) / max(1, len(ds)):.0%}, "
+        log(f"held out {len(heldout_idx)} of {len(usable)} samples ({len(heldout_idx) / max(1, len(usable)):.0%}, "
             f"train.heldout_samples {cfg.heldout_samples} capped by train.heldout_fraction {cfg.heldout_fraction})")
     if cfg.repeat:  # the mix's weights: a dataset's training samples drawn `repeat` times per epoch
         train_idx = np.repeat(train_idx, [cfg.repeat.get(names[i], 1) for i in train_idx])

@@ -24,9 +24,11 @@ but copying) with the closing tokens out of the loss, and a cut reply without a
 loop as ``mask_end`` does. All three are counted.
 
 Samples are truncated to ``max_length``; those left with fewer than
-``2 * block_size`` loss tokens cannot give a drafter a full block to learn
-from and are dropped (and counted, by reason). Each kept sample records the
-smallest length bucket it fits, so training can pad to a few fixed shapes.
+:data:`MIN_LOSS_TOKENS` loss tokens are dropped (and counted, by reason). The
+tokenized data does not depend on the drafter: a run's training leaves out the
+samples too short for its blocks (:func:`dflashpipe.drafter.data.run_data`). Each
+kept sample records the smallest length bucket it fits, so training can pad to a
+few fixed shapes.
 """
 
 from __future__ import annotations
@@ -208,7 +210,7 @@ class _Rules:
     """How a row becomes a training sample (tokenize_expanded's settings, resolved)."""
 
     buckets: list[int]  # sorted: the largest is the maximum length
-    min_loss_tokens: int  # 2 x drafter.block_size
+    min_loss_tokens: int  # MIN_LOSS_TOKENS
     chat_template_kwargs: dict | None
     cut_replies: str
     reply_ids: str
@@ -231,11 +233,15 @@ class _Tally:
     unanswered: Counter = field(default_factory=Counter)  # user turns without a reply of the target, by reason
 
 
+#: the fewest loss tokens a sample is kept with: an anchor and the token after it (a run's training asks
+#: for 2 x drafter.block_size of them: dflashpipe.drafter.data.run_data)
+MIN_LOSS_TOKENS = 2
+
+
 # reason: tokenize's keys, one keyword each (the script passes them by name), beside the inputs and outputs
 def tokenize_expanded(
     expanded_paths: dict[str, str],
     target_path: str,
-    block_size: int,
     buckets: list[int],
     out_dir: str,
     stats_path: str,
@@ -255,7 +261,7 @@ def tokenize_expanded(
 
     from dflashpipe.inputs.target import load_tokenizer
 
-    rules = _Rules(sorted(buckets), 2 * block_size, chat_template_kwargs, cut_replies, reply_ids)
+    rules = _Rules(sorted(buckets), MIN_LOSS_TOKENS, chat_template_kwargs, cut_replies, reply_ids)
     tokenizer = load_tokenizer(target_path)
     if cut_replies not in CUT_REPLIES:
         raise UserError(f"tokenize.cut_replies: {cut_replies!r} is not one of {', '.join(CUT_REPLIES)}")
@@ -273,8 +279,8 @@ def tokenize_expanded(
     if not records:
         raise UserError(
             f"tokenize: no sample left after filtering ({dict(tally.dropped)}); every reply needs >= "
-            f"{rules.min_loss_tokens} tokens (2 x drafter.block_size) within tokenize.buckets' largest length "
-            f"{rules.max_length}: raise expand.max_new_tokens or the largest bucket, or lower drafter.block_size"
+            f"{rules.min_loss_tokens} loss tokens within tokenize.buckets' largest length {rules.max_length}: "
+            "raise expand.max_new_tokens or the largest bucket"
         )
     _save(records, out_dir)
     stats = _stats(records, rules, tally, per_dataset, target_path)
