@@ -149,7 +149,8 @@ def test_settings_refuse_a_key_they_do_not_take(tmp_path):
 
 
 def readme_tables() -> dict[str, str]:
-    """config/README.md's table rows: dotted key -> the row (a dataset's keys as ``datasets.*.key``)."""
+    """config/README.md's table rows: dotted key -> the row (a dataset's keys as ``datasets.*.key``, a run's
+    as ``runs.*.key``)."""
     section, rows = "", {}
     for line in (REPO / "config" / "README.md").read_text().splitlines():
         if line.startswith("## "):
@@ -160,8 +161,8 @@ def readme_tables() -> dict[str, str]:
             prefix = names[0].rsplit(".", 1)[0] + "." if "." in names[0] else ""  # `server.url`, `a`, `b`
             for name in names:
                 full = name if "." in name else prefix + name
-                if section == "datasets":
-                    full = f"datasets.*.{full}"
+                if section in ("datasets", "runs"):  # mappings of names: a name's keys
+                    full = f"{section}.*.{full}"
                 elif section and not full.startswith(section + "."):
                     full = f"{section}.{full}"
                 rows[full] = line

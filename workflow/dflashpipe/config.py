@@ -90,7 +90,34 @@ def validate_config(config: dict, schema_path: str, source: str = "config", gpus
         raise UserError(f"{source}: {_message(errors[0])}")
     _check_references(config, source)
     resolve_gpus(config, source, gpus, budget)
+    _check_runs(config, source, validator)
     return config
+
+
+#: keys a run may not set: the run's GPUs are the workflow's (every run's training job takes them all)
+RUN_FIXED = ("train.shards", "train.nodes")
+
+
+def _check_runs(config: dict, source: str, validator) -> None:
+    """Each run of ``runs``: a name that can name files, no GPU count of its own, and its config (the
+    config with its overlay) valid as a whole; an error names ``runs.<name>.<key>``."""
+    from dflashpipe.jobs.settings import run_config
+
+    for name, overlay in config["runs"].items():
+        if not re.fullmatch(DATASET_NAME, name):
+            raise UserError(f"{source}: runs.{name}: a run name holds only letters, digits, '_', '.' and '-' (it names "
+                            f"the folder results/runs/<name>); rename it, e.g. {re.sub(r'[^A-Za-z0-9_.-]+', '_', name)!r}")
+        for key in RUN_FIXED:
+            section, sub = key.split(".")
+            if sub in (overlay.get(section) or {}):
+                raise UserError(f"{source}: runs.{name}.{key}: the GPUs are the workflow's, not a run's: set {key} at "
+                                "the top level")
+        merged = run_config(config, name)
+        merged = {k: v for k, v in merged.items() if k != "runs"}
+        errors = sorted(validator.iter_errors(merged), key=lambda e: len(e.absolute_path))
+        if errors:
+            raise UserError(f"{source}: runs.{name}.{_message(errors[0])}")
+        _check_references(merged, f"{source}: runs.{name}")
 
 
 #: The GPU count of the Snakemake process that planned the run (:func:`run_gpus`). Its cluster jobs re-read
@@ -355,6 +382,10 @@ def prepare_config(config: dict, source: str, user_files=(), cli_config: dict | 
         if config["drafter"]["mask_token_id"] is None:
             notes.append(f"drafter.mask_token_id: {mask_id}, {how}")
     _check_drafter_fits_target(config, source)
+    for name in config["runs"]:
+        from dflashpipe.jobs.settings import run_config
+
+        _check_drafter_fits_target(run_config(config, name), f"{source}: runs.{name}")
     caveat = tiny_target_caveat(config)
     return notes + ([f"NOTE: {caveat}"] if caveat else [])
 

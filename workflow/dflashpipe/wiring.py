@@ -12,7 +12,9 @@ edit here reruns no stage: a changed path or param shows up in the plan itself.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
 import os
 from pathlib import Path
 
@@ -23,7 +25,7 @@ from dflashpipe.inputs.tokenize import TOKENIZED_FILES
 from dflashpipe.jobs.codedeps import script_digest
 from dflashpipe.jobs.compile_cache import COMPILE_CACHE
 from dflashpipe.jobs.filedigest import file_digest
-from dflashpipe.jobs.settings import canonical, compile_keys, on_server, result_params
+from dflashpipe.jobs.settings import canonical, compile_keys, on_server, result_params, run_config
 
 
 class Paths:
@@ -51,8 +53,11 @@ class Paths:
         "compile": "compile_cold_vs_hot.png",
     }
 
-    def __init__(self, results: str):
+    def __init__(self, results: str, runs: bool = False):
         r = self.results = results
+        # a drafter run's folder: the results folder itself, or results/runs/<run> with named runs (config `runs`)
+        self.runs = runs
+        rr = self.run_root = f"{r}/runs/{{run}}" if runs else r
         # the config the run used, every key (rule effective_config)
         self.effective_config = f"{r}/effective_config.yaml"
         # the tiny default target (trained when no target.path is configured)
@@ -66,13 +71,13 @@ class Paths:
         # compile caches of the warm chain, one folder per GPU slot inside
         self.compile_cache = f"{r}/{COMPILE_CACHE}"
         # the training run: one job writes them all, for any number of shards
-        self.train_summary = f"{r}/train/summary.json"
-        self.train_metrics = f"{r}/train/metrics.csv"
+        self.train_summary = f"{rr}/train/summary.json"
+        self.train_metrics = f"{rr}/train/metrics.csv"
         # the run's final weights (the train job's), and the export made from them (the export job's)
-        self.train_final = f"{r}/train/final.safetensors"
-        self.drafter = f"{r}/drafter"
-        # the assisted-generation peer's draft model
-        self.ar_draft = f"{r}/ar_draft"
+        self.train_final = f"{rr}/train/final.safetensors"
+        self.drafter = f"{rr}/drafter"
+        # the assisted-generation peer's draft model (with named runs, one per ar_draft settings and seed)
+        self.ar_draft = f"{r}/ar_draft/{{ardraft}}" if runs else f"{r}/ar_draft"
 
     # -- the files of the folders a stage writes as a whole: each is an output of its own, so that a file
     # deleted from the folder makes the job run again (Snakemake dates a directory output by the folder)
@@ -101,29 +106,46 @@ class Paths:
     def expanded(self, dataset: str = "{dataset}") -> str:
         return f"{self.results}/expanded/{dataset}.parquet"
 
-    def warm_stamp(self, slot="{slot}") -> str:
-        return f"{self.results}/warm/slot{slot}.json"
+    def warm_stamp(self, slot="{slot}", signature="{signature}") -> str:
+        """A warm job's stamp; with named runs, one chain per compile signature (runs that compile the same
+        code share it)."""
+        return f"{self.results}/warm/{signature}/slot{slot}.json" if self.runs else f"{self.results}/warm/slot{slot}.json"
 
     def eval_samples(self, dataset: str = "{dataset}") -> str:
-        return f"{self.results}/eval/{dataset}.samples.parquet"
+        return f"{self.run_root}/eval/{dataset}.samples.parquet"
 
     def eval_summary(self, dataset: str = "{dataset}") -> str:
-        return f"{self.results}/eval/{dataset}.summary.json"
+        return f"{self.run_root}/eval/{dataset}.summary.json"
 
     def table(self, name: str) -> str:
-        return f"{self.results}/tables/{self.TABLES[name]}"
+        return f"{self.run_root}/tables/{self.TABLES[name]}"
 
     def plot(self, name: str) -> str:
-        return f"{self.results}/plots/{self.PLOTS[name]}"
+        return f"{self.run_root}/plots/{self.PLOTS[name]}"
 
     # -- logs ---------------------------------------------------------------------
     def log(self, stage: str, name: str) -> str:
         """``logs/<stage>/<name>.log``: one folder per stage."""
         return f"{self.results}/logs/{stage}/{name}.log"
 
+    def run_log(self, stage: str, name: str) -> str:
+        """A drafter run's job's log: in the run's folder (:meth:`log` with one run)."""
+        return f"{self.run_root}/logs/{stage}/{name}.log"
+
     # -- benchmarks (Snakemake's per-job wall time, memory and I/O) -----------------
     def benchmark(self, name: str) -> str:
         return f"{self.results}/benchmarks/{name}.tsv"
+
+    def run_benchmark(self, name: str) -> str:
+        return f"{self.run_root}/benchmarks/{name}.tsv"
+
+    @staticmethod
+    def of_run(path: str, run: str | None, **wildcards) -> str:
+        """``path`` (a pattern) for one run (and other wildcards given by name)."""
+        for key, value in {"run": run, **wildcards}.items():
+            if value is not None:
+                path = path.replace(f"{{{key}}}", str(value))
+        return path
 
 
 class Pipeline:
@@ -134,7 +156,9 @@ class Pipeline:
         self.repo = Path(repo)
         self.lib = self.repo / "workflow" / "dflashpipe"
         self.scripts = self.repo / "workflow" / "scripts"
-        self.paths = Paths(config["results"])
+        self.paths = Paths(config["results"], runs=bool(config["runs"]))
+        # the drafter runs (config `runs`); None: the one run of a config without them
+        self.run_names = list(config["runs"]) or [None]
         # the GPU counts, as dflashpipe.config.resolve_gpus filled and checked them
         self.slots = config["gpu"]["slots"]
         self.shards = config["train"]["shards"]  # training ranks per node
@@ -212,13 +236,14 @@ class Pipeline:
         """The whole config as the run uses it (defaults and the tiny target's recipe filled in)."""
         return canonical(self.config)
 
-    def recipe(self) -> dict:
-        """What the model card records of the config: the recipe line and the result-changing keys of the
-        sections that decide the drafter (an operational key reruns no export)."""
+    def recipe(self, wildcards=None) -> dict:
+        """Params function: what the model card records of a run's config: the recipe line and the
+        result-changing keys of the sections that decide the drafter (an operational key reruns no export)."""
         from dflashpipe.config import recipe_line
 
-        return {"recipe": recipe_line(self.config), "seed": self.config["seed"],
-                **{s: self.result_params(s) for s in ("drafter", "train", "expand", "tokenize")}}
+        cfg = self.run_cfg(self._run(wildcards))
+        return {"recipe": recipe_line(cfg), "seed": cfg["seed"],
+                **{s: result_params(cfg, s) for s in ("drafter", "train", "expand", "tokenize")}}
 
     def caveat(self) -> str | None:
         """What the run's figures are not (the tiny target on data off its domain), for the tables and the card."""
@@ -229,6 +254,26 @@ class Pipeline:
     def result_params(self, section: str) -> dict:
         """The result-changing keys of a config section (operational ones are read at run time)."""
         return result_params(self.config, section)
+
+    # -- drafter runs (config `runs`: each an overlay; the per-run rules take a {run} wildcard) ------------
+    @staticmethod
+    def _run(wildcards) -> str | None:
+        return getattr(wildcards, "run", None)
+
+    def run_cfg(self, run: str | None) -> dict:
+        return run_config(self.config, run)
+
+    def run_params(self, section: str):
+        """Params function: a run's result-changing keys of ``section``."""
+        return lambda wildcards: result_params(self.run_cfg(self._run(wildcards)), section)
+
+    def run_seed(self, wildcards) -> int:
+        """Params function: a run's seed."""
+        return self.run_cfg(self._run(wildcards))["seed"]
+
+    def run_threads(self, section: str):
+        """Threads function: a run's ``<section>.threads``."""
+        return lambda wildcards: self.run_cfg(self._run(wildcards))[section]["threads"]
 
     def expand_seed(self) -> int:
         """Sampling seed of the expansion; greedy decoding ignores it, so a new seed reruns nothing."""
@@ -241,10 +286,25 @@ class Pipeline:
     def chat_template_kwargs(self) -> dict:
         return canonical(self.config["expand"]["chat_template_kwargs"])
 
-    def compile_settings(self) -> dict:
-        """The config that decides compiled code (the warm jobs' params: other keys do not rerun them)."""
-        train = self.config["train"]
-        return {"drafter": self.result_params("drafter"), "train": {k: train[k] for k in sorted(compile_keys())}}
+    def compile_settings(self, run: str | None = None) -> dict:
+        """The config that decides a run's compiled code (the warm jobs' params: other keys do not rerun them)."""
+        cfg = self.run_cfg(run)
+        return {"drafter": result_params(cfg, "drafter"), "train": {k: cfg["train"][k] for k in sorted(compile_keys())}}
+
+    def signature(self, run: str | None) -> str:
+        """A run's compile signature: runs with the same one share a warm chain."""
+        return hashlib.sha256(json.dumps(self.compile_settings(run), sort_keys=True).encode()).hexdigest()[:12]
+
+    def signatures(self) -> dict[str, str]:
+        """Each compile signature of the runs and the first run that has it, in the warm chain's order."""
+        out = {}
+        for run in self.run_names:
+            out.setdefault(self.signature(run), run)
+        return dict(sorted(out.items()))
+
+    def warm_compile(self, wildcards) -> dict:
+        """Params function: the compile settings of a warm job's chain."""
+        return self.compile_settings(self.signatures()[wildcards.signature] if self.paths.runs else None)
 
     @staticmethod
     def torch_version() -> str:
@@ -252,17 +312,44 @@ class Pipeline:
         return importlib.metadata.version("torch")
 
     # -- GPU slots, warm chain, training ---------------------------------------------------
+    def warm_log(self, kind: str) -> str:
+        """A warm job's log (``kind`` log) or benchmark file: one per slot (and compile signature)."""
+        name = "{signature}.slot{slot}" if self.paths.runs else "slot{slot}"
+        return self.paths.log("warm", name) if kind == "log" else self.paths.benchmark(f"warm_{name}")
+
+    def _chain(self) -> list[tuple[str | None, int]]:
+        """Every warm job: the slots of each compile signature (one signature with one run)."""
+        signatures = list(self.signatures()) if self.paths.runs else [None]
+        return [(sig, slot) for sig in signatures for slot in range(self.slots)]
+
+    def _stamp(self, sig: str | None, slot: int) -> str:
+        return self.paths.warm_stamp(slot, sig) if sig else self.paths.warm_stamp(slot)
+
     def previous_stamp(self, wildcards) -> list[str]:
-        """Input function: warm_slot{i} waits for warm_slot{i-1}, so no two compiles ever overlap."""
+        """Input function: warm_slot{i} waits for warm_slot{i-1} of its chain (it seeds its compile cache from
+        it), so no two compiles of a chain overlap; the chains of several compile signatures take turns by a
+        lock (:func:`dflashpipe.jobs.lease.one_compile_at_a_time`), not by files, so that a run added or
+        taken out reruns no other run's chain."""
         slot = int(wildcards.slot)
-        return [self.paths.warm_stamp(slot - 1)] if slot > 0 else []
+        return [self._stamp(getattr(wildcards, "signature", None), slot - 1)] if slot > 0 else []
 
     def all_stamps(self) -> list[str]:
-        return [self.paths.warm_stamp(i) for i in range(self.slots)]
+        return [self._stamp(sig, slot) for sig, slot in self._chain()]
 
-    def train_threads(self) -> int:
-        """CPU threads of the training job: its ranks' on one node (with several nodes, each node's)."""
-        return self.shards * self.config["train"]["threads"]
+    def run_stamps(self, wildcards) -> list[str]:
+        """Input function: the warm stamps of a run's compile signature (every slot's)."""
+        sig = self.signature(self._run(wildcards)) if self.paths.runs else None
+        return [self._stamp(sig, slot) for slot in range(self.slots)]
+
+    def train_threads(self, wildcards=None) -> int:
+        """Threads function: CPU threads of a run's training job: its ranks' on one node (with several nodes,
+        each node's)."""
+        return self.shards * self.run_cfg(self._run(wildcards))["train"]["threads"]
+
+    def warm_threads(self, wildcards) -> int:
+        """Threads function: a warm job's (its chain's first run's ``train.threads``)."""
+        run = self.signatures()[wildcards.signature] if self.paths.runs else None
+        return self.run_cfg(run)["train"]["threads"]
 
     def train_resources(self) -> dict:
         """The training job's resources: on one node, ``gpu=K`` (``--resources gpu`` counts it; SLURM's
@@ -279,28 +366,62 @@ class Pipeline:
         return os.path.dirname(output.summary)
 
     def train_rank_logs(self) -> list[str]:
-        return [self.paths.log("train", f"rank{k}") for k in range(self.ranks)]
+        return [self.paths.run_log("train", f"rank{k}") for k in range(self.ranks)]
 
     def train_node_logs(self) -> list[str]:
         """The node launchers' logs of a run on several nodes (none on one: the job is the launcher)."""
-        return [self.paths.log("train", f"node{k}") for k in range(self.nodes)] if self.nodes > 1 else []
+        return [self.paths.run_log("train", f"node{k}") for k in range(self.nodes)] if self.nodes > 1 else []
 
     # -- evaluation (the methods: dflashpipe.evaluate.methods) ---------------------------------
-    def needs_ar_draft(self) -> bool:
-        """Whether a listed evaluation method needs the small AR draft (then rule ar_draft trains it)."""
-        return needs_ar_draft(self.config["evaluate"]["methods"])
+    def needs_ar_draft(self, run: str | None = None) -> bool:
+        """Whether a run's listed evaluation methods need the small AR draft (then rule ar_draft trains it)."""
+        return needs_ar_draft(self.run_cfg(run)["evaluate"]["methods"])
 
-    def ar_draft_files(self) -> list[str]:
-        """The small AR draft model's files, when a listed evaluation method needs it."""
-        return self.paths.ar_draft_files() if self.needs_ar_draft() else []
+    def ar_signature(self, run: str | None) -> str:
+        """What makes a run's AR draft (its settings and seed): runs with the same one share it."""
+        cfg = self.run_cfg(run)
+        return hashlib.sha256(json.dumps([result_params(cfg, "ar_draft"), cfg["seed"]]).encode()).hexdigest()[:12]
+
+    def ar_drafts(self) -> dict[str, str]:
+        """Each AR draft the runs need, by its signature, and the first run that needs it."""
+        out = {}
+        for run in self.run_names:
+            if self.needs_ar_draft(run):
+                out.setdefault(self.ar_signature(run), run)
+        return out
+
+    def ar_draft_run(self, wildcards) -> str | None:
+        return self.ar_drafts()[wildcards.ardraft] if self.paths.runs else None
+
+    def ar_draft_params(self, section: str):
+        """Params function of rule ar_draft: its run's result-changing keys of ``section`` (or its seed)."""
+        def value(wildcards):
+            cfg = self.run_cfg(self.ar_draft_run(wildcards))
+            return cfg["seed"] if section == "seed" else result_params(cfg, section)
+        return value
+
+    def ar_draft_log(self) -> str:
+        return self.paths.log("ar_draft", "{ardraft}" if self.paths.runs else "ar_draft")
+
+    def ar_draft_benchmark(self) -> str:
+        return self.paths.benchmark("ar_draft_{ardraft}" if self.paths.runs else "ar_draft")
+
+    def ar_draft_files(self, wildcards=None) -> list[str]:
+        """Input function: the small AR draft's files of a run, when its evaluation methods need it."""
+        run = self._run(wildcards)
+        if not self.needs_ar_draft(run):
+            return []
+        files = self.paths.ar_draft_files()
+        return [Paths.of_run(f, None, ardraft=self.ar_signature(run)) for f in files] if self.paths.runs else files
 
     @staticmethod
     def method_labels() -> dict[str, str]:
         """The plots' legend label of every evaluation method, in the registry's order."""
         return {m.name: m.label for m in METHODS}
 
-    def eval_summaries(self) -> list[str]:
-        return [self.paths.eval_summary(d) for d in self.datasets_for("eval")]
+    def eval_summaries(self, wildcards=None) -> list[str]:
+        """Input function: a run's evaluation summaries (one per eval dataset)."""
+        return [Paths.of_run(self.paths.eval_summary(d), self._run(wildcards)) for d in self.datasets_for("eval")]
 
     # -- the default target ---------------------------------------------------------------
     def all_outputs(self) -> list[str]:
@@ -313,7 +434,10 @@ class Pipeline:
         out += [p.expanded(name) for name in self.datasets_for("train")]
         out += [*p.tokenized_files(), p.tokenized_stats]
         out += self.all_stamps()
-        out += [p.train_summary, p.train_metrics, p.train_final, *p.drafter_files(), *self.ar_draft_files()]
-        out += [f for d in self.datasets_for("eval") for f in (p.eval_summary(d), p.eval_samples(d))]
-        out += [p.table(name) for name in p.TABLES] + [p.plot(name) for name in p.PLOTS]
-        return out
+        for run in self.run_names:
+            per_run = [p.train_summary, p.train_metrics, p.train_final, *p.drafter_files()]
+            per_run += [f for d in self.datasets_for("eval") for f in (p.eval_summary(d), p.eval_samples(d))]
+            per_run += [p.table(name) for name in p.TABLES] + [p.plot(name) for name in p.PLOTS]
+            out += [Paths.of_run(f, run) for f in per_run]
+            out += self.ar_draft_files(type("W", (), {"run": run})())
+        return list(dict.fromkeys(out))

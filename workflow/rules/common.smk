@@ -43,6 +43,13 @@ except UserError as err:
 
 pipeline = Pipeline(config, repo=REPO)
 paths = pipeline.paths
+
+
+wildcard_constraints:
+    run=DATASET_NAME,
+    ardraft=r"[0-9a-f]{12}",
+
+
 # the jobs' cache of big files' digests (a target's weights are read once per file version); a dry run
 # reads it and writes nothing
 share_cache(config["results"], write=not workflow.output_settings.dryrun)

@@ -1,4 +1,4 @@
-if pipeline.needs_ar_draft():
+if pipeline.ar_drafts():
 
     rule ar_draft:
         """A 1-layer autoregressive draft with the target's tokenizer, for the methods that need it (assisted)."""
@@ -8,9 +8,9 @@ if pipeline.needs_ar_draft():
         output:
             paths.ar_draft_files(),
         log:
-            paths.log("ar_draft", "ar_draft"),
+            pipeline.ar_draft_log(),
         benchmark:
-            paths.benchmark("ar_draft")
+            pipeline.ar_draft_benchmark()
         conda:
             "../../envs/torch.yaml"
         threads: config["ar_draft"]["threads"]
@@ -19,8 +19,8 @@ if pipeline.needs_ar_draft():
         params:
             code=pipeline.code("ar_draft.py"),
             target=pipeline.target_dir(),
-            cfg=pipeline.result_params("ar_draft"),
-            seed=config["seed"],
+            cfg=pipeline.ar_draft_params("ar_draft"),
+            seed=pipeline.ar_draft_params("seed"),
         script:
             "../scripts/ar_draft.py"
 
@@ -31,24 +31,24 @@ rule evaluate:
         target=pipeline.target_inputs(),
         drafter=paths.drafter_files(),
         prompts=paths.prompts(),
-        ar_draft=pipeline.ar_draft_files(),
+        ar_draft=pipeline.ar_draft_files,
     output:
         samples=paths.eval_samples(),
         summary=paths.eval_summary(),
     log:
-        paths.log("evaluate", "{dataset}"),
+        paths.run_log("evaluate", "{dataset}"),
     benchmark:
-        paths.benchmark("evaluate_{dataset}")
+        paths.run_benchmark("evaluate_{dataset}")
     conda:
         "../../envs/torch.yaml"
-    threads: config["evaluate"]["threads"]
+    threads: pipeline.run_threads("evaluate")
     resources:
         gpu=1,
     params:
         code=pipeline.code("evaluate.py"),
         target=pipeline.target_dir(),
-        cfg=pipeline.result_params("evaluate"),
-        seed=config["seed"],
+        cfg=pipeline.run_params("evaluate"),
+        seed=pipeline.run_seed,
         chat_template_kwargs=pipeline.chat_template_kwargs(),
     script:
         "../scripts/evaluate.py"

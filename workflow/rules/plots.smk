@@ -1,10 +1,10 @@
 rule tables:
     """CSV tables of the run: evaluation per dataset and method, acceptance, training, compile times."""
     input:
-        eval=pipeline.eval_summaries(),
+        eval=pipeline.eval_summaries,
         metrics=paths.train_metrics,
         train_summary=paths.train_summary,
-        stamps=pipeline.all_stamps(),
+        stamps=pipeline.run_stamps,
     output:
         eval=paths.table("eval"),
         positions=paths.table("positions"),
@@ -12,7 +12,7 @@ rule tables:
         training=paths.table("training"),
         compile=paths.table("compile"),
     log:
-        paths.log("plots", "tables"),
+        paths.run_log("plots", "tables"),
     conda:
         "../../envs/light.yaml"
     params:
@@ -32,7 +32,7 @@ rule plots:
         training=paths.table("training"),
         compile=paths.table("compile"),
         train_summary=paths.train_summary,
-        stamps=pipeline.all_stamps(),
+        stamps=pipeline.run_stamps,
     output:
         tau=report(
             paths.plot("tau"),
@@ -65,7 +65,7 @@ rule plots:
             category="Training",
         ),
     log:
-        paths.log("plots", "plots"),
+        paths.run_log("plots", "plots"),
     conda:
         "../../envs/light.yaml"
     params:

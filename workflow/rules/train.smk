@@ -1,7 +1,7 @@
 rule train:
     """ONE drafter run: K data-parallel ranks started together (one GPU each); waits for every warm stamp."""
     input:
-        stamps=pipeline.all_stamps(),
+        stamps=pipeline.run_stamps,
         tokenized=paths.tokenized_files(),
         target=pipeline.target_inputs(),
     output:
@@ -9,24 +9,24 @@ rule train:
         metrics=paths.train_metrics,
         final=paths.train_final,
     log:
-        main=paths.log("train", "train"),
+        main=paths.run_log("train", "train"),
         ranks=pipeline.train_rank_logs(),
         nodes=pipeline.train_node_logs(),
     benchmark:
-        paths.benchmark("train")
+        paths.run_benchmark("train")
     conda:
         "../../envs/torch.yaml"
     # train.shards, train.nodes and train.threads are read at run time (operational): another GPU count is
     # the same recipe, but remakes the warm chain (other shapes per rank), and so reruns this job
-    threads: pipeline.train_threads()
+    threads: pipeline.train_threads
     resources:
         **pipeline.train_resources(),
     params:
         code=pipeline.code("train.py"),
         target=pipeline.target_dir(),
-        drafter=pipeline.result_params("drafter"),
-        train=pipeline.result_params("train"),
-        seed=config["seed"],
+        drafter=pipeline.run_params("drafter"),
+        train=pipeline.run_params("train"),
+        seed=pipeline.run_seed,
         cache_root=paths.compile_cache,
         run_dir=pipeline.run_dir,
     script:
@@ -44,9 +44,9 @@ rule export:
     output:
         drafter=paths.drafter_files(),
     log:
-        paths.log("export", "export"),
+        paths.run_log("export", "export"),
     benchmark:
-        paths.benchmark("export")
+        paths.run_benchmark("export")
     conda:
         "../../envs/torch.yaml"
     threads: 1
@@ -55,7 +55,7 @@ rule export:
         target=pipeline.target_dir(),
         datasets={n: config["datasets"][n] for n in pipeline.datasets_for("train")},
         # the card's record of the config that trained it
-        recipe=pipeline.recipe(),
+        recipe=pipeline.recipe,
         caveat=pipeline.caveat(),
     script:
         "../scripts/export.py"

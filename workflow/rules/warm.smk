@@ -7,20 +7,21 @@ rule warm_slot:
     output:
         paths.warm_stamp(),
     log:
-        paths.log("warm", "slot{slot}"),
+        pipeline.warm_log("log"),
     benchmark:
-        paths.benchmark("warm_slot{slot}")
+        pipeline.warm_log("benchmark")
     wildcard_constraints:
         slot=r"\d+",
+        signature=r"[0-9a-f]{12}",
     conda:
         "../../envs/torch.yaml"
-    threads: config["train"]["threads"]
+    threads: pipeline.warm_threads
     resources:
         gpu=1,
     params:
         code=pipeline.code("warm.py"),
         target=pipeline.target_dir(),
-        compile=pipeline.compile_settings(),
+        compile=pipeline.warm_compile,
         seed=config["seed"],
         torch=pipeline.torch_version(),
         cache_root=paths.compile_cache,

@@ -2,9 +2,9 @@ from dflashpipe.drafter.launch import run_training
 from dflashpipe.drafter.train import TrainConfig, TrainRun
 from dflashpipe.jobs.folders import folder_of
 from dflashpipe.jobs.runtime import job
-from dflashpipe.jobs.settings import settings
+from dflashpipe.jobs.settings import run_config, settings
 
-config = snakemake.config
+config = run_config(snakemake.config, snakemake.wildcards.get("run"))  # a named run's overlay, if any
 train = config["train"]
 shards, nodes = train["shards"], train["nodes"]
 with job(snakemake.log.main, threads=snakemake.threads, name=f"train ({nodes} x {shards} rank(s))", outputs=snakemake.output) as log:

@@ -41,6 +41,7 @@ to run once ``torch.cuda.is_initialized()``. Processes forked by the holder
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import errno
 import fcntl
@@ -553,6 +554,37 @@ def lease_for_job(config: dict, slot: int | None = None, gpus: int = 1, **kwargs
     gpu = config["gpu"]
     lock_dir = gpu.get("lock_dir") or os.path.join(config["results"], "locks")
     return lease_device(lock_dir, gpu["slots"], slot=slot, timeout_s=gpu["lease_timeout_s"], **kwargs)
+
+
+@contextlib.contextmanager
+def one_compile_at_a_time(config: dict, log=print):
+    """Hold ``<lock dir>/compile.lock``, waiting for it: the warm jobs of several compile signatures (named
+    runs: one chain each) take it around their compile, so no two compiles ever overlap, as the one chain
+    of a single run keeps them; waiting past ``gpu.lease_timeout_s`` is one line."""
+    gpu = config["gpu"]
+    lock_dir = Path(gpu.get("lock_dir") or os.path.join(config["results"], "locks"))
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    path = lock_dir / "compile.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        start, said = time.time(), False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as err:
+                if err.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+            if not said:
+                log(f"waiting for another warm job's compile to finish ({path})")
+                said = True
+            if time.time() - start > gpu["lease_timeout_s"]:
+                raise UserError(f"{path}: another warm job held it for gpu.lease_timeout_s ({gpu['lease_timeout_s']:g} s); "
+                                "raise gpu.lease_timeout_s, or look for a warm job that hangs")
+            time.sleep(1.0)
+        yield
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------------- CLI

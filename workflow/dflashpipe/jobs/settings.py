@@ -130,3 +130,19 @@ def settings(cls, *sections: dict, **extra):
             elif key not in job_keys:
                 raise TypeError(f"{cls.__name__} takes no key '{key}': give it a field, or name it in {cls.__name__}.JOB_KEYS")
     return cls(**values)
+
+
+#: the sections a run of ``runs`` may set (and the seed)
+RUN_SECTIONS = ("drafter", "train", "evaluate", "ar_draft")
+
+
+def run_config(config: dict, run: str | None) -> dict:
+    """The config of one drafter run: the config with ``runs.<run>`` merged in, key by key (``run`` None or
+    no ``runs``: the config itself). The jobs of a run read their sections from it."""
+    overlay = (config.get("runs") or {}).get(run) if run else None
+    if not overlay:
+        return config
+    out = dict(config)
+    for key, value in overlay.items():
+        out[key] = {**config[key], **value} if isinstance(value, dict) else value
+    return out

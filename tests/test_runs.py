@@ -1,0 +1,110 @@
+"""Named drafter runs (config `runs`): one workflow trains and evaluates several recipes or seeds on the same
+data, through Snakemake. Shared stages run once; a run's stages take a {run} wildcard under results/runs/."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+
+import pytest
+
+from conftest import mini_config, planned_rules, sha256, snakemake, snakemake_env, write_config
+
+RUNS = {"a": {}, "b": {"seed": 1}}
+PER_RUN = {"train", "export", "evaluate", "tables", "plots"}
+#: what any config change plans besides: the record of the config (a local job) and the default target
+RECORD = {"effective_config": 1, "all": 1}
+
+
+def runs_config(runs: dict) -> dict:
+    cfg = mini_config()
+    cfg["evaluate"]["methods"] = ["dflash", "ar"]  # the peers are another test's
+    cfg["runs"] = copy.deepcopy(runs)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """ONE workflow of two runs (the same recipe, seeds 0 and 1) on the mini config."""
+    work = tmp_path_factory.mktemp("runs")
+    cfg = write_config(work / "config.yaml", runs_config(RUNS))
+    res = snakemake(work, "--cores", "2", "--configfile", str(cfg))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return work, cfg, res.stdout + res.stderr
+
+
+@pytest.fixture
+def runs_copy(two_runs, tmp_path):
+    work, _, _ = two_runs
+    dst = tmp_path / "runs"
+    shutil.copytree(work, dst, symlinks=True)
+    return dst, dst / "config.yaml"
+
+
+def test_two_runs_share_the_data_and_train_a_drafter_each(two_runs):
+    """One expansion and one tokenization for both runs; each run has its own training, drafter, evaluation,
+    tables and plots under results/runs/<run>; runs that compile the same code share one warm chain."""
+    work, _, out = two_runs
+    r = work / "results"
+    jobs = re.findall(r"(?m)^(?:local)?rule (\w+):$", out)
+    assert jobs.count("tokenize") == 1 and jobs.count("expand_shard") == 2  # math and code, once
+    assert jobs.count("train") == 2 and jobs.count("warm_slot") == 2  # one chain: slots 0 and 1
+    for run in RUNS:
+        assert (r / f"runs/{run}/drafter/model.safetensors").is_file()
+        assert (r / f"runs/{run}/tables/eval.csv").is_file() and (r / f"runs/{run}/plots/tau_speedup.png").is_file()
+        assert "train rank 0/2" in (r / f"runs/{run}/logs/train/rank0.log").read_text()
+    assert sha256(r / "runs/a/drafter/model.safetensors") != sha256(r / "runs/b/drafter/model.safetensors")  # seeds
+    assert "\nseed: 1\n" in (r / "runs/b/drafter/README.md").read_text()  # the card records the run's config
+    assert len(list((r / "warm").iterdir())) == 1 and not (r / "train").exists() and not (r / "drafter").exists()
+
+
+def test_editing_adding_and_removing_runs(runs_copy):
+    """An edit of one run's overlay plans that run's stages only; a new run only its own (its compile
+    signature's warm chain too when it compiles other code); a removed run plans nothing and deletes nothing."""
+    work, cfg = runs_copy
+    edited = copy.deepcopy(RUNS)
+    edited["b"]["train"] = {"lr": 0.002}
+    assert planned_rules(work, "--configfile", str(write_config(cfg, runs_config(edited)))) == dict.fromkeys(PER_RUN, 1) | RECORD
+
+    added = copy.deepcopy(RUNS) | {"c": {"drafter": {"num_layers": 2}}}
+    plan = planned_rules(work, "--configfile", str(write_config(cfg, runs_config(added))))
+    assert plan == dict.fromkeys(PER_RUN, 1) | {"warm_slot": 2} | RECORD  # a new signature: its own chain
+
+    kept = {f: sha256(f) for f in (work / "results/runs/b").rglob("*.safetensors")}
+    assert planned_rules(work, "--configfile", str(write_config(cfg, runs_config({"a": {}})))) == RECORD
+    assert {f: sha256(f) for f in (work / "results/runs/b").rglob("*.safetensors")} == kept and kept
+
+
+def test_a_killed_run_resumes_and_the_other_runs_outputs_stay(runs_copy):
+    """Run b's training killed mid-run (a rank dies at step 4) and run again: b resumes from its checkpoint;
+    a's outputs are never touched."""
+    work, cfg = runs_copy
+    r = work / "results"
+    a_files = {f: sha256(f) for f in (r / "runs/a").rglob("*") if f.is_file() and "/logs/" not in str(f)}
+    shutil.rmtree(r / "runs/b/train/checkpoints")  # b's finished run forgotten: it trains again
+    kill = {"DFLASH_FAULTS": json.dumps([{"at": "train.step", "step": 4, "rank": 1, "do": "kill"}])}
+    res = snakemake(work, "results/runs/b/train/final.safetensors", "--cores", "2", "--forcerun", "train",
+                    "--configfile", str(cfg), env=snakemake_env(**kill))
+    assert res.returncode != 0
+    res = snakemake(work, "--cores", "2", "--configfile", str(cfg))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "resumed from step 2" in (r / "runs/b/logs/train/rank0.log").read_text()
+    assert {f: sha256(f) for f in a_files} == a_files
+
+
+def test_a_run_that_sets_the_gpus_or_a_bad_key_is_one_line(tmp_path):
+    from dflashpipe.config import validate_config
+    from dflashpipe.jobs.errors import UserError
+    from dflashpipe.jobs.settings import SCHEMA_PATH
+
+    for runs, line in [({"b": {"train": {"shards": 1}}}, "my.yaml: runs.b.train.shards: the GPUs are the workflow's, "
+                        "not a run's: set train.shards at the top level"),
+                       ({"b": {"drafter": {"block_szie": 8}}}, "my.yaml: runs.b.drafter.block_szie: unknown key (did "
+                        "you mean 'block_size'?)"),
+                       ({"b c": {}}, "my.yaml: runs.b c: a run name holds only letters, digits, '_', '.' and '-' (it "
+                        "names the folder results/runs/<name>); rename it, e.g. 'b_c'")]:
+        with pytest.raises(UserError) as err:
+            validate_config(runs_config(runs), str(SCHEMA_PATH), "my.yaml")
+        assert str(err.value) == line
