@@ -98,6 +98,11 @@ def test_example_configs_are_valid():
     assert one_gpu["datasets"] == check(base)["datasets"]  # the overlay changes only what it names
     smol = check(_merge(base, yaml.safe_load((REPO / "config/smollm2.yaml").read_text())))
     assert smol["train"]["repeat"] == {"code": 3, "code_more": 3} and "chat" in smol["datasets"]
+    for runs_file, n in (("recipes.yaml", 12), ("seeds.yaml", 3)):  # the shipped runs overlays, on smollm2's recipe
+        runs = check(_merge(copy.deepcopy(smol), yaml.safe_load((REPO / "config" / runs_file).read_text())))["runs"]
+        assert len(runs) == n
+    assert runs_file and check(_merge(smol, yaml.safe_load((REPO / "config/recipes.yaml").read_text())))["runs"][
+        "dspark_s2"] == {"drafter": {"arch": "dspark", "block_size": 7}, "train": {"loss": "dspark"}, "seed": 2}
     bad = _merge(base, {"train": {"compile": "everything"}})
     with pytest.raises(UserError, match=r"train.compile: 'everything' is not one of"):
         check(bad)

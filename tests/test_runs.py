@@ -8,12 +8,14 @@ import json
 import re
 import shutil
 
+import pandas as pd
 import pytest
 
 from conftest import mini_config, planned_rules, sha256, snakemake, snakemake_env, write_config
 
 RUNS = {"a": {}, "b": {"seed": 1}}
 PER_RUN = {"train", "export", "evaluate", "tables", "plots"}
+COMPARE = {"compare": 1}  # the runs side by side: any run's new figures rewrite it
 #: what any config change plans besides: the record of the config (a local job) and the default target
 RECORD = {"effective_config": 1, "all": 1}
 
@@ -58,6 +60,16 @@ def test_two_runs_share_the_data_and_train_a_drafter_each(two_runs):
     assert sha256(r / "runs/a/drafter/model.safetensors") != sha256(r / "runs/b/drafter/model.safetensors")  # seeds
     assert "\nseed: 1\n" in (r / "runs/b/drafter/README.md").read_text()  # the card records the run's config
     assert len(list((r / "warm").iterdir())) == 1 and not (r / "train").exists() and not (r / "drafter").exists()
+    # compared: per run, and per recipe over the runs that differ only in their seed
+    per_run = pd.read_csv(r / "tables/runs.csv")
+    assert list(per_run["run"]) == ["a", "b"] and set(per_run["dataset"]) == {"math_heldout"}
+    assert list(per_run["seed"]) == [0, 1] and (per_run["train_steps"] == 6).all()
+    recipes = pd.read_csv(r / "tables/recipes.csv")
+    assert len(recipes) == 1 and recipes["recipe"][0] == "config" and recipes["runs"][0] == "a b"
+    for f in ("tau_pooled", "speedup_vs_ar", "simulated_tau"):
+        assert recipes[f"{f}_min"][0] <= recipes[f"{f}_mean"][0] <= recipes[f"{f}_max"][0]
+        assert recipes[f"{f}_mean"][0] == pytest.approx(per_run[f].mean())
+    assert (r / "plots/runs.png").stat().st_size > 10_000 and jobs.count("compare") == 1
 
 
 def test_editing_adding_and_removing_runs(runs_copy):
@@ -66,14 +78,14 @@ def test_editing_adding_and_removing_runs(runs_copy):
     work, cfg = runs_copy
     edited = copy.deepcopy(RUNS)
     edited["b"]["train"] = {"lr": 0.002}
-    assert planned_rules(work, "--configfile", str(write_config(cfg, runs_config(edited)))) == dict.fromkeys(PER_RUN, 1) | RECORD
+    assert planned_rules(work, "--configfile", str(write_config(cfg, runs_config(edited)))) == dict.fromkeys(PER_RUN, 1) | COMPARE | RECORD
 
     added = copy.deepcopy(RUNS) | {"c": {"drafter": {"num_layers": 2}}}
     plan = planned_rules(work, "--configfile", str(write_config(cfg, runs_config(added))))
-    assert plan == dict.fromkeys(PER_RUN, 1) | {"warm_slot": 2} | RECORD  # a new signature: its own chain
+    assert plan == dict.fromkeys(PER_RUN, 1) | {"warm_slot": 2} | COMPARE | RECORD  # a new signature: its own chain
 
     kept = {f: sha256(f) for f in (work / "results/runs/b").rglob("*.safetensors")}
-    assert planned_rules(work, "--configfile", str(write_config(cfg, runs_config({"a": {}})))) == RECORD
+    assert planned_rules(work, "--configfile", str(write_config(cfg, runs_config({"a": {}})))) == COMPARE | RECORD
     assert {f: sha256(f) for f in (work / "results/runs/b").rglob("*.safetensors")} == kept and kept
 
 
@@ -108,3 +120,18 @@ def test_a_run_that_sets_the_gpus_or_a_bad_key_is_one_line(tmp_path):
         with pytest.raises(UserError) as err:
             validate_config(runs_config(runs), str(SCHEMA_PATH), "my.yaml")
         assert str(err.value) == line
+
+
+def test_the_recipes_table_groups_the_runs_that_differ_only_in_their_seed(tmp_path):
+    from dflashpipe.stages.compare import recipe_of, recipes_table
+
+    assert recipe_of({"seed": 3}) == "config" and recipe_of({}) == "config"
+    assert recipe_of({"seed": 1, "train": {"loss": "ce"}}) == recipe_of({"train": {"loss": "ce"}}) == '{"train": {"loss": "ce"}}'
+    per_run = pd.DataFrame({"run": ["a", "b", "c"], "recipe": ["config", "config", "x"], "dataset": ["m"] * 3,
+                            "tau_pooled": [2.0, 4.0, 3.0], "tau_mean": [1.0, 2.0, 3.0], "speedup_vs_ar": [1.5, 2.5, 2.0],
+                            "simulated_tau": [2.0, 2.0, 2.0], "train_seconds": [1.0, 3.0, 2.0],
+                            "train_gpu_seconds": [2.0, 6.0, 4.0]})
+    table = recipes_table(per_run).set_index("recipe")
+    assert table.loc["config", "n_runs"] == 2 and table.loc["config", "runs"] == "a b"
+    assert (table.loc["config", "tau_pooled_mean"], table.loc["config", "tau_pooled_min"], table.loc["config", "tau_pooled_max"]) == (3.0, 2.0, 4.0)
+    assert table.loc["x", "n_runs"] == 1 and table.loc["x", "speedup_vs_ar_min"] == table.loc["x", "speedup_vs_ar_max"] == 2.0

@@ -76,6 +76,8 @@ class Paths:
         # the run's final weights (the train job's), and the export made from them (the export job's)
         self.train_final = f"{rr}/train/final.safetensors"
         self.drafter = f"{rr}/drafter"
+        # the named runs side by side (rule compare; with named runs only)
+        self.compare = {"runs": f"{r}/tables/runs.csv", "recipes": f"{r}/tables/recipes.csv", "plot": f"{r}/plots/runs.png"}
         # the assisted-generation peer's draft model (with named runs, one per ar_draft settings and seed)
         self.ar_draft = f"{r}/ar_draft/{{ardraft}}" if runs else f"{r}/ar_draft"
 
@@ -423,6 +425,17 @@ class Pipeline:
         """Input function: a run's evaluation summaries (one per eval dataset)."""
         return [Paths.of_run(self.paths.eval_summary(d), self._run(wildcards)) for d in self.datasets_for("eval")]
 
+    # -- the runs compared ------------------------------------------------------------------
+    def compare_inputs(self) -> dict:
+        """Rule compare's inputs: every run's eval table and training summary, in the config's order."""
+        p = self.paths
+        return {"eval": [Paths.of_run(p.table("eval"), r) for r in self.run_names],
+                "summaries": [Paths.of_run(p.train_summary, r) for r in self.run_names]}
+
+    def run_overlays(self) -> list:
+        """Rule compare's param: ``[name, overlay]`` of every run, in the config's order."""
+        return [[name, canonical(overlay)] for name, overlay in self.config["runs"].items()]
+
     # -- the default target ---------------------------------------------------------------
     def all_outputs(self) -> list[str]:
         """Every file a user sees: each one deleted is made again by a plain rerun (with what reads it)."""
@@ -440,4 +453,6 @@ class Pipeline:
             per_run += [p.table(name) for name in p.TABLES] + [p.plot(name) for name in p.PLOTS]
             out += [Paths.of_run(f, run) for f in per_run]
             out += self.ar_draft_files(type("W", (), {"run": run})())
+        if self.paths.runs:
+            out += list(p.compare.values())
         return list(dict.fromkeys(out))

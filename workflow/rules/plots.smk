@@ -73,3 +73,29 @@ rule plots:
         method_labels=pipeline.method_labels(),
     script:
         "../scripts/plots.py"
+
+
+if paths.runs:
+
+    rule compare:
+        """The named runs side by side: per run and eval set, and per recipe (mean, min-max over its seeds)."""
+        input:
+            **pipeline.compare_inputs(),
+        output:
+            runs=paths.compare["runs"],
+            recipes=paths.compare["recipes"],
+            plot=report(
+                paths.compare["plot"],
+                caption="../report/runs.rst",
+                category="Runs",
+            ),
+        log:
+            paths.log("plots", "compare"),
+        conda:
+            "../../envs/light.yaml"
+        params:
+            code=pipeline.code("compare.py"),
+            runs=pipeline.run_overlays(),
+            seed=config["seed"],
+        script:
+            "../scripts/compare.py"
