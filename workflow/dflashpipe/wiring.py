@@ -410,7 +410,9 @@ class Pipeline:
 
     def ar_draft_files(self, wildcards=None) -> list[str]:
         """Input function: the small AR draft's files of a run, when its evaluation methods need it."""
-        run = self._run(wildcards)
+        return self.run_ar_draft_files(self._run(wildcards))
+
+    def run_ar_draft_files(self, run: str | None) -> list[str]:
         if not self.needs_ar_draft(run):
             return []
         files = self.paths.ar_draft_files()
@@ -452,7 +454,7 @@ class Pipeline:
             per_run += [f for d in self.datasets_for("eval") for f in (p.eval_summary(d), p.eval_samples(d))]
             per_run += [p.table(name) for name in p.TABLES] + [p.plot(name) for name in p.PLOTS]
             out += [Paths.of_run(f, run) for f in per_run]
-            out += self.ar_draft_files(type("W", (), {"run": run})())
+            out += self.run_ar_draft_files(run)
         if self.paths.runs:
             out += list(p.compare.values())
         return list(dict.fromkeys(out))
