@@ -100,7 +100,7 @@ def test_the_plot_labels_every_method(tmp_path, monkeypatch):
              "simulated_tau": None} for m in METHODS]
     pd.DataFrame(rows).to_csv(tmp_path / "eval.csv", index=False)
     figures = []
-    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(fig))
+    monkeypatch.setattr(plots, "save_png", lambda fig, path: figures.append(fig))
     plots.tau_speedup(str(tmp_path / "eval.csv"), str(tmp_path / "tau.png"), Pipeline.method_labels())
     methods, marks = figures[0].legends
     assert [t.get_text() for t in methods.get_texts()] == [m.label for m in METHODS]

@@ -22,8 +22,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture
 def figures(monkeypatch):
     """The figures the plot functions save (saved as usual too)."""
-    drawn, save = [], plots._save
-    monkeypatch.setattr(plots, "_save", lambda fig, path: (drawn.append(fig), save(fig, path)))
+    drawn, save = [], plots.save_png
+    monkeypatch.setattr(plots, "save_png", lambda fig, path: (drawn.append(fig), save(fig, path)))
     return drawn
 
 

@@ -26,7 +26,7 @@ import jsonschema
 import yaml
 
 from dflashpipe.jobs.errors import UserError
-from dflashpipe.jobs.settings import SCHEMA_PATH, load_schema, on_server
+from dflashpipe.jobs.settings import SCHEMA_PATH, load_schema, on_server, run_config
 
 #: what a dataset's name may hold: it names files (results/prompts/<name>.parquet) and is a Snakemake wildcard
 DATASET_NAME = r"[A-Za-z0-9_.-]+"
@@ -101,8 +101,6 @@ RUN_FIXED = ("train.shards", "train.nodes")
 def _check_runs(config: dict, source: str, validator) -> None:
     """Each run of ``runs``: a name that can name files, no GPU count of its own, and its config (the
     config with its overlay) valid as a whole; an error names ``runs.<name>.<key>``."""
-    from dflashpipe.jobs.settings import run_config
-
     for name, overlay in config["runs"].items():
         if not re.fullmatch(DATASET_NAME, name):
             raise UserError(f"{source}: runs.{name}: a run name holds only letters, digits, '_', '.' and '-' (it names "
@@ -294,27 +292,21 @@ def embedded_target(path) -> bool:
     return path is None or Path(repo_path(str(path))).resolve() == EMBEDDED_TARGET.resolve()
 
 
-def _fill_under(config: dict, layer: dict, prefix: str = "") -> list[str]:
-    """Set each key of ``layer`` that ``config`` leaves out (nested keys one by one); the dotted keys set."""
-    filled = []
+def _fill_under(config: dict, layer: dict) -> None:
+    """Set each key of ``layer`` that ``config`` leaves out (nested keys one by one)."""
     for key, value in layer.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):
-            filled += _fill_under(config[key], value, f"{prefix}{key}.")
+            _fill_under(config[key], value)
         elif key not in config:
             config[key] = copy.deepcopy(value)
-            filled.append(f"{prefix}{key}")
-    return filled
 
 
-def apply_tiny_recipe(config: dict) -> bool:
+def apply_tiny_recipe(config: dict) -> None:
     """With the embedded tiny target, fill the keys the config files leave out from
-    config/tiny_target.yaml (before the schema's defaults); any other target: nothing. Whether it applied."""
+    config/tiny_target.yaml (before the schema's defaults); any other target: nothing."""
     target = config.get("target")
-    path = target.get("path") if isinstance(target, dict) else None
-    if not embedded_target(path):
-        return False
-    _fill_under(config, load_yaml(str(TINY_RECIPE)))
-    return True
+    if embedded_target(target.get("path") if isinstance(target, dict) else None):
+        _fill_under(config, load_yaml(str(TINY_RECIPE)))
 
 
 #: the shipped prompt files of the tiny target's own domain (what it was trained on, and their held-out
@@ -383,8 +375,6 @@ def prepare_config(config: dict, source: str, user_files=(), cli_config: dict | 
             notes.append(f"drafter.mask_token_id: {mask_id}, {how}")
     _check_drafter_fits_target(config, source)
     for name in config["runs"]:
-        from dflashpipe.jobs.settings import run_config
-
         _check_drafter_fits_target(run_config(config, name), f"{source}: runs.{name}")
     caveat = tiny_target_caveat(config)
     return notes + ([f"NOTE: {caveat}"] if caveat else [])

@@ -565,23 +565,16 @@ def one_compile_at_a_time(config: dict, log=print):
     lock_dir = Path(gpu.get("lock_dir") or os.path.join(config["results"], "locks"))
     lock_dir.mkdir(parents=True, exist_ok=True)
     path = lock_dir / "compile.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    start, said = time.time(), False
+    while (fd := _try_lock(path)) is None:
+        if not said:
+            log(f"waiting for another warm job's compile to finish ({path})")
+            said = True
+        if time.time() - start > gpu["lease_timeout_s"]:
+            raise UserError(f"{path}: another warm job held it for gpu.lease_timeout_s ({gpu['lease_timeout_s']:g} s); "
+                            "raise gpu.lease_timeout_s, or look for a warm job that hangs")
+        time.sleep(1.0)
     try:
-        start, said = time.time(), False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as err:
-                if err.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
-            if not said:
-                log(f"waiting for another warm job's compile to finish ({path})")
-                said = True
-            if time.time() - start > gpu["lease_timeout_s"]:
-                raise UserError(f"{path}: another warm job held it for gpu.lease_timeout_s ({gpu['lease_timeout_s']:g} s); "
-                                "raise gpu.lease_timeout_s, or look for a warm job that hangs")
-            time.sleep(1.0)
         yield
     finally:
         os.close(fd)

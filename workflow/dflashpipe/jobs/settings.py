@@ -132,9 +132,6 @@ def settings(cls, *sections: dict, **extra):
     return cls(**values)
 
 
-#: the sections a run of ``runs`` may set (and the seed)
-RUN_SECTIONS = ("drafter", "train", "evaluate", "ar_draft")
-
 
 def run_config(config: dict, run: str | None) -> dict:
     """The config of one drafter run: the config with ``runs.<run>`` merged in, key by key (``run`` None or

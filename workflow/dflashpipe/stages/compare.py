@@ -48,11 +48,10 @@ def recipes_table(per_run: pd.DataFrame) -> pd.DataFrame:
 
 def runs_plot(recipes: pd.DataFrame, path: str) -> None:
     """Speed-up over AR and pooled tau per recipe and eval set: bars at the mean, whiskers from min to max."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+
+    from dflashpipe.stages.plots import save_png
 
     names, sets = list(dict.fromkeys(recipes["recipe"])), list(dict.fromkeys(recipes["dataset"]))
     fig, axes = plt.subplots(1, 2, figsize=(max(9, 1.2 * len(sets) * len(names)), 4.8))
@@ -73,10 +72,8 @@ def runs_plot(recipes: pd.DataFrame, path: str) -> None:
     fig.suptitle("Runs by recipe: bars the mean over a recipe's runs (seeds), whiskers min-max", fontsize=10)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=1, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.06 * len(names) + 0.02, 1, 0.95))
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    fig.set_layout_engine("tight", rect=(0, 0.06 * len(names) + 0.02, 1, 0.95))  # room for the legend below
+    save_png(fig, path)
 
 
 def write_compare(runs: dict[str, dict], seed: int, eval_csvs: dict[str, str], summaries: dict[str, str], out: dict,

@@ -24,7 +24,8 @@ LOSSES = {"ce": "cross-entropy with the data's tokens", "kl": "KL to the target'
           "dspark": "DSpark's: 0.1 CE + 0.9 L1 to the target"}
 
 
-def _save(fig, path: str) -> None:
+def save_png(fig, path: str) -> None:
+    """Write ``fig`` as a PNG atomically (laid out tight unless it has a layout of its own) and close it."""
     if not fig.get_layout_engine():
         fig.tight_layout()
     with atomic_path(path) as tmp:
@@ -53,7 +54,7 @@ def training_curves(training_csv: str, loss_png: str, tokens_png: str, train_sum
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    _save(fig, loss_png)
+    save_png(fig, loss_png)
 
     fig, ax = plt.subplots(figsize=(7, 4))
     one_rank = "tokens_per_s_per_gpu" not in df or (df["tokens_per_s_per_gpu"] == df["tokens_per_s"]).all()
@@ -67,7 +68,7 @@ def training_curves(training_csv: str, loss_png: str, tokens_png: str, train_sum
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    _save(fig, tokens_png)
+    save_png(fig, tokens_png)
 
 
 def compiled_nothing(stamps: list[str]) -> bool:
@@ -96,7 +97,7 @@ def compile_times(compile_csv: str, out_png: str, stamps: list[str]) -> None:
     ax.set(ylabel="seconds (compile / prime every bucket)", title="Compile: warm jobs vs. hot shard start")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
-    _save(fig, out_png)
+    save_png(fig, out_png)
 
 
 def _nothing_compiled(stamps: list[str], out_png: str) -> None:
@@ -114,7 +115,7 @@ def _nothing_compiled(stamps: list[str], out_png: str) -> None:
     ax.set_axis_off()
     ax.set_title("Nothing compiled: no cold vs. hot compile to compare")
     ax.text(0.5, 0.5, "\n".join(lines), ha="center", va="center", fontsize=8, wrap=True, transform=ax.transAxes)
-    _save(fig, out_png)
+    save_png(fig, out_png)
 
 
 def tau_speedup(eval_csv: str, out_png: str, method_labels: dict[str, str]) -> None:
@@ -157,7 +158,7 @@ def tau_speedup(eval_csv: str, out_png: str, method_labels: dict[str, str]) -> N
     if marks:
         fig.legend(*zip(*marks), loc="lower center", ncol=len(marks), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.14 if marks else 0.07, 1, 1))
-    _save(fig, out_png)
+    save_png(fig, out_png)
 
 
 def _fmt(v) -> str:
@@ -179,7 +180,7 @@ def per_position(positions_csv: str, out_png: str) -> None:
         ax.set_xlim(positions[0] - 0.5, positions[-1] + 0.5)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    _save(fig, out_png)
+    save_png(fig, out_png)
 
 
 def histogram(histogram_csv: str, out_png: str) -> None:
@@ -197,4 +198,4 @@ def histogram(histogram_csv: str, out_png: str) -> None:
            title="Acceptance-length histogram (DFlash)")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
-    _save(fig, out_png)
+    save_png(fig, out_png)
