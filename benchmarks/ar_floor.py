@@ -130,7 +130,7 @@ def random_drafter(target: str, config: str, out: Path) -> str:
     from transformers import AutoConfig
 
     from dflashpipe.config import load_yaml
-    from dflashpipe.drafter.export import save_drafter
+    from dflashpipe.export.write import save_drafter
     from dflashpipe.drafter.model import ARCH_KEYS, DFlashDrafter, DrafterConfig
 
     d = load_yaml(config)["drafter"]  # the keys it sets; DrafterConfig's defaults (the schema's) for the rest
@@ -190,7 +190,7 @@ def measure_dflash(target: str, drafter_dir: str, attention: str, new: int, prom
                    breakdown: bool = False) -> dict:
     """The compiled DFlash step's pieces (as the evaluation builds them), each alone, and the loop's step."""
     from dflashpipe.decode.speculative import DFlashDecoder, drafter_runner, target_runner
-    from dflashpipe.drafter.export import load_drafter
+    from dflashpipe.export.write import load_drafter
 
     model = load_target(target, device)
     drafter, dcfg = load_drafter(drafter_dir, device=device, dtype=torch.bfloat16)

@@ -196,7 +196,7 @@ def shapes_case(a) -> Case:
 def run_case(a) -> Case:
     """A finished pipeline run: its target, trained drafter and held-out prompts, real acceptance."""
     from dflashpipe.decode.speculative import eos_ids_of
-    from dflashpipe.drafter.export import load_drafter
+    from dflashpipe.export.write import load_drafter
     from dflashpipe.evaluate.run import encode_prompt
     from dflashpipe.inputs.data import read_prompts
     from dflashpipe.inputs.target import load_target

@@ -39,7 +39,7 @@ ON = {"cpu": ["evaluate.num_prompts=20"],
 
 def steps_only(name: str, cfg: dict, run: Path) -> None:
     import pandas as pd
-    from dflashpipe.drafter.train import TrainConfig, TrainRun, train_rank
+    from dflashpipe.training.train import TrainConfig, TrainRun, train_rank
     from dflashpipe.jobs.settings import settings
 
     tc = settings(TrainConfig, cfg["drafter"], cfg["train"], seed=cfg["seed"], tensorboard=False)

@@ -68,7 +68,7 @@ def build_inputs(work: Path, a) -> None:
 
 
 def train_config(a, compile=None):
-    from dflashpipe.drafter.train import TrainConfig
+    from dflashpipe.training.train import TrainConfig
 
     return TrainConfig(num_layers=5, block_size=16, num_anchors=a.anchors, batch_size=a.batch_size,
                        max_steps=a.steps, heldout_samples=a.batch_size, checkpoint_every=10_000,
@@ -86,7 +86,7 @@ def phase(name: str, work: Path, a) -> dict:
     cache_root = work / f"cache_{'hot' if name in ('warm', 'hot', 'seeded') else name}"
     seeded = seed_slot_cache(cache_root, slot)  # the warm chain's step; nothing for slot 0
     cache = use_slot_cache(cache_root, slot)
-    from dflashpipe.drafter.train import TrainRun, train_rank, warm_compile
+    from dflashpipe.training.train import TrainRun, train_rank, warm_compile
 
     if name in ("warm", "seeded"):
         out = warm_compile(train_config(a), str(work / "tokenized"), str(work / "target"), a.device, 1, log=lambda m: None)

@@ -3,7 +3,7 @@
 Builds a Qwen3-8B-shaped target (36 layers, hidden 4096, GQA 32/8, head dim
 128, vocab 151936; random bf16 weights: throughput does not depend on them) and
 the paper's 5-layer DFlash drafter, then runs the PIPELINE'S OWN training step
-(:func:`dflashpipe.drafter.step.train_step`: DDP, ZeRO-1 AdamW) on S=3072
+(:func:`dflashpipe.training.step.train_step`: DDP, ZeRO-1 AdamW) on S=3072
 context tokens per GPU with 512 anchors and block size 16, one sequence per GPU
 per step (``--shapes``/``--batch``: SmolLM2-135M's shapes, B sequences). Numerics as in the pipeline: frozen bf16 target, fp32 master weights
 and AdamW state, bf16 autocast.
@@ -125,12 +125,12 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
 
     import torch.distributed as dist
 
-    from dflashpipe.drafter.data import make_batch
-    from dflashpipe.drafter.distributed import data_parallel, gather, init_dist, adamw
+    from dflashpipe.training.data import make_batch
+    from dflashpipe.training.distributed import data_parallel, gather, init_dist, adamw
     from dflashpipe.drafter.features import prepare_target
     from dflashpipe.drafter.model import ARCH_KEYS, DFlashDrafter, DrafterConfig, apply_compile_mode
-    from dflashpipe.drafter.step import resolve_setup, train_step
-    from dflashpipe.drafter.train import TrainConfig, resolve_device
+    from dflashpipe.training.step import resolve_setup, train_step
+    from dflashpipe.training.train import TrainConfig, resolve_device
 
     cuda = a.device.startswith("cuda")
     shapes = TINY if a.tiny else {"qwen3-8b": QWEN3_8B, "smollm2-135m": SMOLLM2}[a.shapes]
@@ -157,7 +157,7 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
     drafter = DFlashDrafter(dcfg).to(dev).train()  # fp32 master weights, as the pipeline
     apply_compile_mode(setup, drafter)  # on the flex path: dense flex_attention calls raise
     if a.ddp and world == 1:  # the one-rank path before it went plain: DDP's buckets and ZeRO-1 over one rank
-        from dflashpipe.drafter.distributed import sharded_adamw
+        from dflashpipe.training.distributed import sharded_adamw
 
         model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=None, gradient_as_bucket_view=True)
         opt = sharded_adamw(model, 6e-4, 0.0, dev)

@@ -65,7 +65,7 @@ def _launch_one_rank(py_launcher: Path, rank_py: Path, log: Path, code_env: str 
     rank_code = ("import dflashpipe\nfrom dflashpipe.jobs.runtime import job\n"
                  f"with job({str(log)!r}, name='rank 0'):\n    print('RANK RAN', dflashpipe.__file__)\n")
     driver = (
-        "from dflashpipe.drafter.launch import launch\nfrom dflashpipe.jobs.errors import UserError\n"
+        "from dflashpipe.training.launch import launch\nfrom dflashpipe.jobs.errors import UserError\n"
         "try:\n"
         f"    launch([{str(rank_py)!r}, '-c', {rank_code!r}], [{str(log)!r}], log=lambda m: None)\n"
         "    print('LAUNCH OK')\n"
@@ -104,7 +104,7 @@ def test_a_shadowed_checkout_is_refused_in_one_line(tmp_path):
 
 def test_failed_rank_is_reported_with_this_attempts_error_line(tmp_path):
     """Rank logs are appended to: an earlier attempt's ERROR line must not be named as this failure's cause."""
-    from dflashpipe.drafter.launch import launch
+    from dflashpipe.training.launch import launch
     from dflashpipe.jobs.errors import UserError
 
     log = tmp_path / "rank0.log"

@@ -56,8 +56,8 @@ def test_training_stage_sees_the_drafter_model_code():
     from dflashpipe.jobs.codedeps import script_closure
 
     got = names(script_closure(LIB, REPO / "workflow/scripts/train.py"))
-    assert {"drafter/train.py", "drafter/step.py", "drafter/model.py", "drafter/loss.py", "drafter/masks.py",
-            "drafter/launch.py", "jobs/hotstart.py", "jobs/lease.py"} <= got
+    assert {"training/train.py", "training/step.py", "drafter/model.py", "drafter/loss.py", "drafter/masks.py",
+            "training/launch.py", "jobs/hotstart.py", "jobs/lease.py"} <= got
     assert not any(n.startswith("evaluate/") for n in got)
 
 
@@ -67,8 +67,8 @@ def test_warm_fingerprint_and_run_identity_cover_the_drafter_model():
     from dflashpipe.jobs.hotstart import train_step_code_files
 
     got = names(train_step_code_files())
-    assert {"drafter/model.py", "drafter/step.py", "drafter/loss.py", "drafter/features.py", "drafter/masks.py",
-            "drafter/data.py", "drafter/train.py", "drafter/run.py"} <= got
+    assert {"drafter/model.py", "training/step.py", "drafter/loss.py", "drafter/features.py", "drafter/masks.py",
+            "training/data.py", "training/train.py", "training/run.py"} <= got
     assert "jobs/tracking.py" not in got and not any(n.startswith("evaluate/") for n in got)
 
 
@@ -88,11 +88,11 @@ def test_each_decoder_belongs_to_the_stages_that_run_it():
     assert not any(n.startswith("decode/") for n in train)
 
 def test_the_export_depends_on_the_modeling_code_it_copies():
-    """The export job copies drafter/hf_modeling.py beside the weights without importing it (its
+    """The export job copies export/hf_modeling.py beside the weights without importing it (its
     transformers classes cost seconds per job): the file is still one of the job's code inputs."""
     from dflashpipe.jobs.codedeps import script_closure
 
-    assert "drafter/hf_modeling.py" in names(script_closure(LIB, REPO / "workflow/scripts/export.py"))
+    assert "export/hf_modeling.py" in names(script_closure(LIB, REPO / "workflow/scripts/export.py"))
 
 
 SOURCE = '''
@@ -147,8 +147,8 @@ def test_code_digest_of_the_training_code_ignores_a_reworded_log_line(tmp_path):
 
     root = tmp_path / "dflashpipe"
     shutil.copytree(REPO / "workflow" / "dflashpipe", root, ignore=shutil.ignore_patterns("__pycache__"))
-    train = root / "drafter" / "train.py"
-    files = [str(train), str(root / "drafter" / "step.py")]
+    train = root / "training" / "train.py"
+    files = [str(train), str(root / "training" / "step.py")]
     before = meaning_digest(files, root)
     src = train.read_text()
     m = re.search(r'log\(\s*f?"([A-Za-z][^"{]{3,})', src)

@@ -100,8 +100,8 @@ def test_an_activation_memory_budget_reaches_the_partitioner_and_keeps_the_gradi
 
     from torch._functorch import config as functorch_config
 
-    from dflashpipe.drafter.step import apply_compile_mode, resolve_setup
-    from dflashpipe.drafter.train import TrainConfig
+    from dflashpipe.training.step import apply_compile_mode, resolve_setup
+    from dflashpipe.training.train import TrainConfig
 
     monkeypatch.setattr(functorch_config, "activation_memory_budget", functorch_config.activation_memory_budget)
     cfg = model.DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,

@@ -234,7 +234,7 @@ def finished_run(random_target, tmp_path):
     import shutil
 
     from conftest import PROMPTS
-    from dflashpipe.drafter.export import save_drafter
+    from dflashpipe.export.write import save_drafter
     from dflashpipe.inputs.data import prepare_prompts
     from dflashpipe.inputs.target import load_target
 

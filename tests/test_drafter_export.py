@@ -8,8 +8,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from dflashpipe.drafter.card import model_card
-from dflashpipe.drafter.export import load_drafter, save_drafter
+from dflashpipe.export.card import model_card
+from dflashpipe.export.write import load_drafter, save_drafter
 from dflashpipe.drafter.masks import block_position_ids, dense_mask
 from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig, expected_state_shapes
 from dflashpipe.jobs.errors import UserError
@@ -115,7 +115,7 @@ def qwen3_8b_drafter_config_json() -> dict:
     """The config.json this export writes for a Qwen3-8B target (shapes only: no weights are built)."""
     from transformers import Qwen3Config
 
-    from dflashpipe.drafter.export import drafter_config_json
+    from dflashpipe.export.write import drafter_config_json
 
     t, d = REFERENCE["target"], REFERENCE["drafter"]
     tc = Qwen3Config(
@@ -247,7 +247,7 @@ def dflash2_reference_drafter_config():
 def test_dflash2_layout_and_config_equal_the_reference():
     """A DFlash 2 drafter of the fixture's shapes has exactly z-lab's keys and shapes, and its config.json
     equals z-lab's key by key (the only additions: auto_map, top-level block_size and rope_theta)."""
-    from dflashpipe.drafter.export import _cfg_from_json, drafter_config_json
+    from dflashpipe.export.write import _cfg_from_json, drafter_config_json
 
     tc, cfg = dflash2_reference_drafter_config()
     with torch.device("meta"):  # 1.6 B parameters: shapes only
@@ -641,7 +641,7 @@ def test_dspark_layout_and_config_equal_the_reference(tmp_path):
     head), its config.json carries every DeepSpec key with its value (less the training-only num_anchors) plus
     SGLang's nested dspark_config and dflash_config, reads back as the same drafter, and a checkpoint that carries
     the target's embedding and LM head loads with them skipped."""
-    from dflashpipe.drafter.export import SHARED_PREFIXES, _cfg_from_json, drafter_config_json
+    from dflashpipe.export.write import SHARED_PREFIXES, _cfg_from_json, drafter_config_json
 
     tc, cfg = dspark_reference_drafter_config()
     with torch.device("meta"):  # shapes only

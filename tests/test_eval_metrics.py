@@ -7,7 +7,6 @@ import pytest
 from dflashpipe.evaluate.metrics import (
     account_steps,
     acceptance_histogram,
-    cut_step,
     finite_or_none,
     per_position_acceptance,
     speedup,
@@ -17,6 +16,7 @@ from dflashpipe.evaluate.metrics import (
     tokens_per_second,
 )
 from dflashpipe.decode.speculative import DecodeResult
+from dflashpipe.decode.stop import cut_step
 
 EOS = 99
 

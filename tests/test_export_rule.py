@@ -13,7 +13,7 @@ READ_THE_DRAFTER = {"export", "evaluate", "tables", "plots", "all"}
 
 def test_an_export_code_edit_reruns_the_export_only(mini_copy):
     work, cfg = mini_copy
-    for module in ("drafter/export.py", "drafter/hf_modeling.py", "drafter/card.py"):
+    for module in ("export/write.py", "export/hf_modeling.py", "export/card.py"):
         planned = planned_after_edit(work, cfg, module)
         assert "export" in planned and not planned & NOT_RERUN, (module, planned)
         assert planned <= READ_THE_DRAFTER, (module, planned)
@@ -23,7 +23,7 @@ def test_an_export_code_edit_reruns_the_export_only(mini_copy):
     final = (r / "train/final.safetensors").read_bytes()
     metrics = (r / "train/metrics.csv").read_bytes()
     rank_log = (r / "logs/train/rank0.log").read_bytes()
-    export_py = REPO / "workflow/dflashpipe/drafter/export.py"
+    export_py = REPO / "workflow/dflashpipe/export/write.py"
     original = export_py.read_text()
     try:
         export_py.write_text(original + CODE_EDIT)
@@ -53,4 +53,4 @@ def test_an_export_code_edit_reruns_the_export_only(mini_copy):
             "tiny target's 2-core demo recipe, config/tiny_target.yaml, under your config)`") in card
     assert "  selector_rank: 64\n" in card and "  max_steps: 6\n" in card
     # the export ships the modeling file its config names
-    assert (r / "drafter/dflash.py").read_text() == (REPO / "workflow/dflashpipe/drafter/hf_modeling.py").read_text()
+    assert (r / "drafter/dflash.py").read_text() == (REPO / "workflow/dflashpipe/export/hf_modeling.py").read_text()

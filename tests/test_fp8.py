@@ -16,8 +16,8 @@ from torch import nn
 
 from dflashpipe.drafter.features import context_features
 from dflashpipe.drafter.fp8 import FP8, Fp8Linear, check_fp8_device, quantize_decoder_linears
-from dflashpipe.drafter.step import resolve_setup
-from dflashpipe.drafter.train import TrainConfig, build, train_rank
+from dflashpipe.training.step import resolve_setup
+from dflashpipe.training.train import TrainConfig, build, train_rank
 from dflashpipe.inputs.target import load_target
 from dflashpipe.jobs.errors import UserError
 

@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 import torch
 
-from dflashpipe.drafter.export import load_drafter, save_drafter
+from dflashpipe.export.write import load_drafter, save_drafter
 from dflashpipe.evaluate.hf_assistant import (
     RENAMES,
     export_hf_assistant,

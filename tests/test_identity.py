@@ -15,7 +15,7 @@ def _state_tensors(state: dict) -> list[torch.Tensor]:
 
 
 def test_resumed_zero_optimizer_holds_one_copy_of_its_state(one_rank_group, tmp_path):
-    from dflashpipe.drafter.distributed import full_optimizer_state, sharded_adamw
+    from dflashpipe.training.distributed import full_optimizer_state, sharded_adamw
 
     def model():
         torch.manual_seed(0)
@@ -117,8 +117,8 @@ def test_big_files_are_read_once_per_version(tmp_path, monkeypatch):
 def test_run_identity_holds_the_library_versions_and_the_target_loader(micro_target, tmp_path, monkeypatch):
     import transformers
 
-    from dflashpipe.drafter.checkpoint import checkpoint_dir, run_identity
-    from dflashpipe.drafter.train import TrainConfig
+    from dflashpipe.training.checkpoint import checkpoint_dir, run_identity
+    from dflashpipe.training.train import TrainConfig
 
     tokenized = tmp_path / "tokenized"
     tokenized.mkdir()
@@ -142,7 +142,7 @@ def test_a_finished_run_evaluates_again_when_the_held_out_code_changed(tmp_path)
     final checkpoint, trains no step and evaluates again (through Snakemake: test_reliability)."""
     import json
 
-    from dflashpipe.drafter.checkpoint import COMPLETE, heldout_code, republish, save_checkpoint
+    from dflashpipe.training.checkpoint import COMPLETE, heldout_code, republish, save_checkpoint
 
     identity, ckpt, out = {"run": 1}, tmp_path / "ckpt", tmp_path / "out"
     ckpt.mkdir()

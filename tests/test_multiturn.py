@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer
 
 from conftest import mini_config, snakemake, write_config
-from dflashpipe.drafter.data import anchor_mask
+from dflashpipe.training.data import anchor_mask
 from dflashpipe.drafter.masks import sample_anchors
 from dflashpipe.inputs.data import prepare_prompts
 from dflashpipe.inputs.target import prompt_ids

@@ -148,7 +148,7 @@ def test_per_position_plots_tick_whole_positions(tmp_path, figures):
 
 
 def test_heldout_size_is_a_fraction_capped_by_heldout_samples():
-    from dflashpipe.drafter.data import heldout_size
+    from dflashpipe.training.data import heldout_size
 
     assert heldout_size(295, 64, 0.05) == 14  # 5% of a small corpus, not 22%
     assert heldout_size(10_000, 64, 0.05) == 64  # the cap on a large one
@@ -161,8 +161,8 @@ def test_heldout_size_is_a_fraction_capped_by_heldout_samples():
 def test_run_data_holds_out_a_share_of_a_small_corpus_and_says_so(one_rank_group, n, logged):
     from datasets import Dataset
 
-    from dflashpipe.drafter.data import run_data
-    from dflashpipe.drafter.run import TrainConfig
+    from dflashpipe.training.data import run_data
+    from dflashpipe.training.run import TrainConfig
 
     assert (TrainConfig.heldout_samples, TrainConfig.heldout_fraction) == (64, 0.05)  # the schema's defaults
     ds = Dataset.from_dict({"dataset": ["math"] * n, "id": [str(i) for i in range(n)], "bucket": [128] * n,

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflashpipe.drafter.heldout import acceptance_sums
+from dflashpipe.training.heldout import acceptance_sums
 from dflashpipe.drafter.loss import Objective, block_loss, selector_loss
 from dflashpipe.drafter.masks import block_mask, block_position_ids, build_block_inputs, dense_mask, dpace_weights
 from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig, _grouped_causal_conv, expected_state_shapes
@@ -426,8 +426,8 @@ def test_dspark_training_step_trains_backbone_markov_and_confidence_heads():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dflashpipe.drafter.masks import default_gamma
-    from dflashpipe.drafter.step import Setup, forward_loss, resolve_setup
-    from dflashpipe.drafter.train import TrainConfig
+    from dflashpipe.training.step import Setup, forward_loss, resolve_setup
+    from dflashpipe.training.train import TrainConfig
 
     torch.manual_seed(0)
     tc = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import planned_rules, snakemake, write_config
-from dflashpipe.drafter.export import ARCHITECTURES
+from dflashpipe.export.write import ARCHITECTURES
 
 RECIPES = {
     # the paper's DFlash and loss with D-PACE weights and a TV term, one sliding-window layer beside a full one

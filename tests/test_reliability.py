@@ -100,7 +100,7 @@ def processes_mentioning(text: str) -> list[int]:
 def test_an_edit_of_the_training_code_retrains_from_step_one(mini_run, mini_copy):
     ref, _ = mini_run
     work, cfg = mini_copy
-    data_py = REPO / "workflow/dflashpipe/drafter/data.py"
+    data_py = REPO / "workflow/dflashpipe/training/data.py"
     original = data_py.read_text()
     try:
         data_py.write_text(original + "\nTRAIN_SALT = 7  # an edit: other anchors\n")
@@ -195,7 +195,7 @@ def test_a_reworded_log_message_in_the_training_code_resumes_a_killed_run(mini_r
     forget_finished_runs(work)
     res = run(work, cfg, *targets, forcerun="train", env=faults(KILL_RANK_1))
     assert res.returncode != 0
-    train_py = REPO / "workflow/dflashpipe/drafter/loop.py"  # the loop logs the first step
+    train_py = REPO / "workflow/dflashpipe/training/loop.py"  # the loop logs the first step
     original = train_py.read_text()
     assert 'log(f"first step done in ' in original
     try:

@@ -10,7 +10,7 @@ from dflashpipe.jobs.settings import on_server, schema_enum
 def _twins():
     from dflashpipe.decode.speculative import TARGET_STEPS
     from dflashpipe.decode.static_target import ATTENTION
-    from dflashpipe.drafter.export import ARCHITECTURES
+    from dflashpipe.export.write import ARCHITECTURES
     from dflashpipe.drafter.model import ARCHS, COMPILE_MODES, LAYER_TYPES
     from dflashpipe.inputs.data import CHAT_FORMATS
     from dflashpipe.inputs.tokenize import CUT_REPLIES

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from dflashpipe.drafter.train import TrainConfig
+from dflashpipe.training.train import TrainConfig
 from dflashpipe.evaluate.ar_draft import ARDraftConfig
 from dflashpipe.evaluate.settings import EvalSettings
 from dflashpipe.inputs.tiny_target import TinyTargetConfig

@@ -170,7 +170,7 @@ def test_a_killed_node_fails_the_job_in_one_line_and_the_rerun_resumes(slurm, mi
         time.sleep(0.5)
     rank1 = json.loads(marker.read_text())["pid"]
     launcher = _parent(rank1)
-    assert "dflashpipe.drafter.launch node" in Path(f"/proc/{launcher}/cmdline").read_text().replace("\0", " ")
+    assert "dflashpipe.training.launch node" in Path(f"/proc/{launcher}/cmdline").read_text().replace("\0", " ")
     os.kill(launcher, signal.SIGKILL)
     out, err = proc.communicate(timeout=600)
     print(f"two nodes, n2's launcher killed at step {FAULT_STEP}: the job failed after {time.time() - t0:.0f} s")
@@ -192,7 +192,7 @@ def test_a_killed_node_fails_the_job_in_one_line_and_the_rerun_resumes(slurm, mi
 
 def test_several_nodes_outside_an_allocation_is_one_line(monkeypatch):
     """train.nodes above 1 without SLURM: the training job stops before it leases or starts anything."""
-    from dflashpipe.drafter.launch import allocation
+    from dflashpipe.training.launch import allocation
     from dflashpipe.jobs.errors import UserError
 
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)

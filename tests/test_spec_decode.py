@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dflashpipe.decode.speculative import ARDecoder, DecodeResult, DFlashDecoder, eos_ids_of
-from dflashpipe.drafter.export import load_drafter, save_drafter
+from dflashpipe.export.write import load_drafter, save_drafter
 from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
 from dflashpipe.evaluate.lossless import check_lossless, default_tie_tolerance, logit_gap
 from dflashpipe.inputs.target import load_target

@@ -16,8 +16,8 @@ import pytest
 from test_train import BASE, again, park_and_kill, quiet, rank_args, read_metrics, spawn
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from dflashpipe.drafter.checkpoint import run_identity
-from dflashpipe.drafter.train import TrainConfig, train_rank
+from dflashpipe.training.checkpoint import run_identity
+from dflashpipe.training.train import TrainConfig, train_rank
 from dflashpipe.jobs.errors import UserError
 from dflashpipe.jobs.tracking import STEP_GROUPS, tag_for, tracking_dirs
 

@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from dflashpipe.drafter.checkpoint import checkpoint_dir, load_checkpoint, run_identity
-from dflashpipe.drafter.data import epoch_batches, heldout_split, rank_slice
+from dflashpipe.training.checkpoint import checkpoint_dir, load_checkpoint, run_identity
+from dflashpipe.training.data import epoch_batches, heldout_split, rank_slice
 from dflashpipe.drafter.features import context_features
 from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
-from dflashpipe.drafter.train import TrainConfig, TrainRun, train_rank
+from dflashpipe.training.train import TrainConfig, TrainRun, train_rank
 from dflashpipe.jobs.errors import UserError
 
 torch.set_num_threads(1)
@@ -41,7 +41,7 @@ RUNNER = r"""
 import json, sys
 import torch
 torch.set_num_threads(1)
-import dflashpipe.drafter.train as T
+import dflashpipe.training.train as T
 a = json.loads(sys.argv[1])
 T.train_rank(T.TrainRun.from_json(a["run"]), a["rank"], a["device"], log=lambda m: None)
 """
@@ -303,7 +303,7 @@ def test_repeat_weighs_a_training_dataset_and_never_holds_out_a_copy(one_rank_gr
 
     from datasets import Dataset
 
-    from dflashpipe.drafter.data import run_data
+    from dflashpipe.training.data import run_data
 
     ds = Dataset.from_dict({"dataset": ["math"] * 40 + ["code"] * 20, "id": [str(i) for i in range(60)],
                             "bucket": [128] * 60, "num_loss_tokens": [16] * 60})
@@ -327,7 +327,7 @@ def test_a_run_trains_on_the_samples_long_enough_for_its_blocks(one_rank_group):
 
     from datasets import Dataset
 
-    from dflashpipe.drafter.data import run_data
+    from dflashpipe.training.data import run_data
     from dflashpipe.jobs.errors import UserError
 
     loss = [4, 40] * 30  # every other sample too short for blocks of 8
@@ -364,7 +364,7 @@ def test_loss_decreases(micro_target, micro_tokenized, tmp_path):
     assert [r["step"] for r in rows if r["heldout_loss"]] == ["10", "20"]
     assert s["ranks"][0]["first_step_seconds"] > 0 and s["tokens_per_s"] > 0 and s["resumed_from_step"] is None
     assert set(rows[0]) >= {"step", "epoch", "loss", "acc", "lr", "grad_norm", "tokens_per_s", "step_seconds", "peak_mem_mb"}
-    from dflashpipe.drafter.export import export_final, load_drafter
+    from dflashpipe.export.write import export_final, load_drafter
 
     model, dcfg = load_drafter(export_final(a["run"].final_state, micro_target, tmp_path / "drafter", log=quiet))
     assert dcfg.block_size == 4 and dcfg.num_hidden_layers == 1 and dcfg.mask_token_id == 3
@@ -377,7 +377,7 @@ def test_cached_target_outputs_train_the_same_drafter_with_fewer_target_forwards
                                                                                   tmp_path, monkeypatch):
     """train.cache_target_features: from the second epoch on, the target's features come from the cache;
     the drafter, every loss and the held-out figures stay the same bit for bit (so the key reruns nothing)."""
-    import dflashpipe.drafter.step as step
+    import dflashpipe.training.step as step
 
     calls = []
     real = step.context_features
@@ -424,7 +424,7 @@ def test_the_target_cache_stops_growing_at_its_memory_limit():
 def test_the_target_cache_is_off_with_more_than_one_rank_and_says_so():
     """With K ranks a sample goes to another rank in a later epoch: all ranks held their batch in 60% of the
     steps at K=2 and 20% at K=4 (simulated on the default run), while every rank cached nearly all samples."""
-    from dflashpipe.drafter.step import resolve_setup, target_cache_off
+    from dflashpipe.training.step import resolve_setup, target_cache_off
 
     cfg = TrainConfig(**BASE, cache_target_features=True)
     assert resolve_setup(cfg, "cpu", 3, [0], world_size=1).target_cache is not None and not target_cache_off(cfg, 1)

@@ -1,4 +1,4 @@
-"""A training run is one object (:class:`~dflashpipe.drafter.train.TrainRun`), and the step reads its
+"""A training run is one object (:class:`~dflashpipe.training.train.TrainRun`), and the step reads its
 plain settings from the run's config: the compile signature the warm stamps hold is what it was."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from dflashpipe.drafter.step import compile_signature, resolve_setup
-from dflashpipe.drafter.train import TrainConfig
+from dflashpipe.training.step import compile_signature, resolve_setup
+from dflashpipe.training.train import TrainConfig
 
 # compile_signature of these setups as the warm jobs wrote it before the step read its settings from the
 # config (a change would invalidate the warm stamps of finished runs)
@@ -37,7 +37,7 @@ def test_the_compile_signature_is_unchanged(device, keys, expected):
 
 def test_a_run_crosses_the_process_boundary_whole():
     """The launcher writes the run once (to_json); a rank reads back the same run (from_json)."""
-    from dflashpipe.drafter.train import TrainRun
+    from dflashpipe.training.train import TrainRun
 
     run = TrainRun(TrainConfig(batch_size=8, target_layer_ids=[1, 3]), "tok", "tgt", "runs/a", "m.csv", "s.json",
                    final_state="f.safetensors", identity={"code": "x"}, nodes=2, shards=4, threads=3,
@@ -54,7 +54,7 @@ def test_the_step_reads_plain_settings_from_the_config():
     """Setup holds what is derived; a train key is read from the config it holds, not from a copy."""
     from dataclasses import fields
 
-    from dflashpipe.drafter.step import Setup
+    from dflashpipe.training.step import Setup
 
     cfg = TrainConfig(grad_clip=0.5, num_anchors=16)
     setup = resolve_setup(cfg, "cpu", 7, [1], 1)

@@ -18,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from dflashpipe.drafter.files import EXPORT_FILES
+from dflashpipe.export.files import EXPORT_FILES
 from dflashpipe.evaluate.methods import METHODS, needs_ar_draft
 from dflashpipe.inputs.target import SAVED_MODEL_FILES, target_fingerprint
 from dflashpipe.inputs.tokenize import TOKENIZED_FILES

@@ -1,4 +1,4 @@
-from dflashpipe.drafter.export import export_final
+from dflashpipe.export.write import export_final
 from dflashpipe.jobs.folders import folder_of
 from dflashpipe.jobs.memo import Memo
 from dflashpipe.jobs.runtime import job

@@ -1,5 +1,5 @@
-from dflashpipe.drafter.launch import run_training
-from dflashpipe.drafter.train import TrainConfig, TrainRun
+from dflashpipe.training.launch import run_training
+from dflashpipe.training.train import TrainConfig, TrainRun
 from dflashpipe.jobs.folders import folder_of
 from dflashpipe.jobs.runtime import job
 from dflashpipe.jobs.settings import run_config, settings

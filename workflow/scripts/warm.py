@@ -1,6 +1,6 @@
 import time
 
-from dflashpipe.drafter.train import TrainConfig, warm_compile
+from dflashpipe.training.train import TrainConfig, warm_compile
 from dflashpipe.jobs.compile_cache import seed_slot_cache
 from dflashpipe.jobs.compile_cache import use_slot_cache
 from dflashpipe.jobs.hotstart import write_stamp

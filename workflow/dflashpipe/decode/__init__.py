@@ -15,6 +15,7 @@
   batching over a slotted static KV cache, one verify forward for every row): the speed-up under load
   (``benchmarks/concurrency.py``).
 * :mod:`.cuda_graph`: capturing a step as a CUDA graph, the one routine the steps above share.
+* :mod:`.stop`: the stop rule every decoder cuts its steps by (``cut_step``).
 
 What only the evaluation needs (the lossless check, metrics, transformers' peers) lives in
 :mod:`dflashpipe.evaluate`. Import the modules directly; this file imports nothing, so a stage

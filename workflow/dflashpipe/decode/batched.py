@@ -19,7 +19,7 @@ with one harness for both methods:
   acceptance is per row (the longest prefix of drafts equal to the target's argmax, plus the
   target's bonus token), and each row's drafter context grows by its verified positions only
   (the rejected ones stay hidden until overwritten);
-* the stop rule is the evaluation's (:func:`~dflashpipe.evaluate.metrics.cut_step`), and each
+* the stop rule is the evaluation's (:func:`~dflashpipe.decode.stop.cut_step`), and each
   request's result is a :class:`~.speculative.DecodeResult`, so greedy outputs compare token for
   token with the batch-1 loops (the tests do, for every row).
 
@@ -48,7 +48,7 @@ from dflashpipe.decode.layer import attention_dims, attention_inputs, finish_lay
 from dflashpipe.decode.slots import unsupported_reason
 from dflashpipe.decode.speculative import DecodeResult, sync
 from dflashpipe.decode.static_drafter import block_masks
-from dflashpipe.evaluate.metrics import cut_step
+from dflashpipe.decode.stop import cut_step
 
 
 @dataclass

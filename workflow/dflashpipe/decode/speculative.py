@@ -1,7 +1,7 @@
 """DFlash speculative decoding and plain autoregressive decoding in ONE harness (batch size 1).
 
 Both decoders share the target wrapper (:class:`TargetRunner`: an HF causal LM
-with a ``DynamicCache``), the stop rule (:func:`dflashpipe.evaluate.metrics.cut_step`)
+with a ``DynamicCache``), the stop rule (:func:`dflashpipe.decode.stop.cut_step`)
 and the timing (device synchronised around prefill and decode), so the speed-up
 DFlash / AR compares like with like.
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflashpipe.evaluate.metrics import cut_step
+from dflashpipe.decode.stop import cut_step
 from dflashpipe.jobs.errors import UserError
 
 

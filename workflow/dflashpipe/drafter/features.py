@@ -134,7 +134,7 @@ def trim_unused_layers(target, layer_ids) -> int:
 def prepare_target(target, cfg, setup, layer_ids) -> dict:
     """The loaded target as training runs it: trimmed to the tapped layers (unless distillation reads
     its last layer and LM head) and, with ``train.target_fp8``, its decoder linears in FP8 (:mod:`.fp8`)."""
-    from .fp8 import quantize_decoder_linears
+    from dflashpipe.drafter.fp8 import quantize_decoder_linears
 
     done = {"layers_dropped": 0 if setup.objective.needs_teacher else trim_unused_layers(target, layer_ids)}
     if cfg.target_fp8:

@@ -222,7 +222,7 @@ def dpace_weights(row_loss: torch.Tensor, valid: torch.Tensor, alpha: float = DP
 
 def attention_masks(batch, setup, S: int):
     """The training attention mask(s) of a batch of length ``S``: one per distinct layer type (a dict when layers
-    differ); ``setup``: the run's :class:`~dflashpipe.drafter.step.Setup` (its attention path, windows, device)."""
+    differ); ``setup``: the run's :class:`~dflashpipe.training.step.Setup` (its attention path, windows, device)."""
     build = block_mask if setup.attention == "flex" else dense_mask
     kw = {"device": setup.device} if setup.attention == "flex" else {}
     masks = {t: build(batch.anchors, batch.keep, S, setup.cfg.block_size, window=w, **kw) for t, w in setup.windows.items()}

@@ -747,7 +747,7 @@ class DFlashDrafter(nn.Module):
 def apply_compile_mode(setup, drafter) -> None:
     """Give the drafter the step setup's compile mode; on the flex (CUDA) path, guard the compiled path.
 
-    ``setup``: the :class:`~dflashpipe.drafter.step.Setup` of the run (its ``attention``, ``compile``
+    ``setup``: the :class:`~dflashpipe.training.step.Setup` of the run (its ``attention``, ``compile``
     and ``cfg.activation_memory_budget``).
 
     ``layers``: the drafter's layers (flex_attention inside), the target's

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from dflashpipe.drafter.export import CONFIG_NAME, WEIGHTS_NAME, layer_shape_config, load_drafter
+from dflashpipe.export.write import CONFIG_NAME, WEIGHTS_NAME, layer_shape_config, load_drafter
 from dflashpipe.drafter.model import DrafterConfig
 from dflashpipe.jobs.atomic import atomic_path, save_safetensors
 from dflashpipe.jobs.errors import UserError

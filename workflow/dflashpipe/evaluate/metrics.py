@@ -30,31 +30,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-
-# ---------------------------------------------------------------------------
-# Cutting
-# ---------------------------------------------------------------------------
-
-
-def cut_step(step_tokens: Sequence[int], n_out: int, max_new_tokens: int, stop_ids: Iterable[int]) -> tuple[list[int], str | None]:
-    """Tokens of one step that reach the output, and why the output ends (or None).
-
-    ``n_out``: tokens already in the output. The step's tokens are cut at the
-    first stop token (kept, like HF ``generate``) and at ``max_new_tokens``.
-    Returns ``(kept, reason)`` with reason ``"eos"``, ``"length"`` or None.
-    """
-    stop = set(int(t) for t in stop_ids)
-    budget = max(0, int(max_new_tokens) - int(n_out))
-    kept: list[int] = []
-    for t in step_tokens:
-        if len(kept) >= budget:
-            return kept, "length"
-        kept.append(int(t))
-        if int(t) in stop:
-            return kept, "eos"
-    if n_out + len(kept) >= max_new_tokens:
-        return kept, "length"
-    return kept, None
+from dflashpipe.decode.stop import cut_step  # the decoders' stop rule: the accounting cuts as they do
 
 
 @dataclass

@@ -207,7 +207,7 @@ def _checked_methods(run: EvalRun, dev: torch.device) -> list:
 def _harness(run: EvalRun, dev: torch.device, laps: Laps, log) -> tuple[Harness, tuple, int]:
     """The loaded target and drafter, the prompts, and the same-harness DFlash and AR decoders; with
     the prompts read (ids, encodings, skipped) and the static KV cache's capacity."""
-    from dflashpipe.drafter.export import load_drafter
+    from dflashpipe.export.write import load_drafter
     from dflashpipe.inputs.target import load_target
 
     s = run.settings

@@ -26,7 +26,7 @@ loop as ``mask_end`` does. All three are counted.
 Samples are truncated to ``max_length``; those left with fewer than
 :data:`MIN_LOSS_TOKENS` loss tokens are dropped (and counted, by reason). The
 tokenized data does not depend on the drafter: a run's training leaves out the
-samples too short for its blocks (:func:`dflashpipe.drafter.data.run_data`). Each
+samples too short for its blocks (:func:`dflashpipe.training.data.run_data`). Each
 kept sample records the smallest length bucket it fits, so training can pad to a
 few fixed shapes.
 """
@@ -234,7 +234,7 @@ class _Tally:
 
 
 #: the fewest loss tokens a sample is kept with: an anchor and the token after it (a run's training asks
-#: for 2 x drafter.block_size of them: dflashpipe.drafter.data.run_data)
+#: for 2 x drafter.block_size of them: dflashpipe.training.data.run_data)
 MIN_LOSS_TOKENS = 2
 
 

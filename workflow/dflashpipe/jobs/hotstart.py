@@ -26,15 +26,15 @@ from pathlib import Path
 from dflashpipe.jobs.errors import UserError
 
 # The source that decides the compiled training step and the trained weights: these modules with
-# everything they import, plus the training loop itself (drafter/train.py, not its imports:
+# everything they import, plus the training loop itself (training/train.py, not its imports:
 # checkpointing, export and held-out figures change no weight). Also the code part of a
-# training run's identity (drafter/checkpoint.py).
+# training run's identity (training/checkpoint.py).
 #: the step, its data and exchange, the drafter it runs and the target's FP8 linears (the step receives
 #: the models; it does not import them)
-TRAIN_STEP_MODULES = ["drafter.step", "drafter.data", "drafter.distributed", "drafter.model", "drafter.fp8"]
+TRAIN_STEP_MODULES = ["training.step", "training.data", "training.distributed", "drafter.model", "drafter.fp8"]
 #: the rank that runs the step (its loop in a file of its own) and the run it reads its settings from;
 #: files alone, not their imports
-TRAIN_LOOP_FILES = ("drafter/train.py", "drafter/loop.py", "drafter/run.py")
+TRAIN_LOOP_FILES = ("training/train.py", "training/loop.py", "training/run.py")
 
 
 def _version(dist: str) -> str | None:
@@ -190,7 +190,7 @@ class HotStartGuard:
 
 
 def hot_start(stamp_path: str, device: str):
-    """The ``hot_start`` callable for :func:`dflashpipe.drafter.train.train_rank`.
+    """The ``hot_start`` callable for :func:`dflashpipe.training.train.train_rank`.
 
     Given the shard's compile signature it checks the slot's stamp (one line
     naming the stale part otherwise) and returns the guard that checks the

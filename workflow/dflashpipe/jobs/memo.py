@@ -49,7 +49,7 @@ def _forced(rule: str) -> bool:
 
 class Memo:
     """A job's kept outputs (``smk``: the script's ``snakemake``). Training has its own: a finished run's
-    checkpoint folder, found by the run's identity (:mod:`dflashpipe.drafter.checkpoint`)."""
+    checkpoint folder, found by the run's identity (:mod:`dflashpipe.training.checkpoint`)."""
 
     def __init__(self, smk):
         self.smk, self.results = smk, smk.config["results"]

@@ -1,6 +1,6 @@
 """Experiment tracking of a drafter run: TensorBoard event files, and W&B (offline) on request.
 
-The train loop (:mod:`dflashpipe.drafter.train`) hands over the figures it
+The train loop (:mod:`dflashpipe.training.train`) hands over the figures it
 already computes, at the points where it computes them; this module only
 writes them. Only rank 0 writes (the figures are global: all-reduced over the
 ranks); the other ranks hold a tracker that does nothing.

@@ -33,7 +33,7 @@ def eval_tables(eval_summaries: dict[str, str], train_summary: str | None = None
 
     With the training summary, the DFlash rows also carry ``simulated_tau``: the
     acceptance length the drafter's last held-out evaluation predicted (greedy, from the
-    training forward; :mod:`dflashpipe.drafter.heldout`), to set beside the measured
+    training forward; :mod:`dflashpipe.training.heldout`), to set beside the measured
     ``tau_pooled``; and the per-position table gets its predicted acceptance as the
     rows of dataset ``simulated (training held-out)``. ``caveat``: what the figures are not (the tiny
     target on data off its domain, :func:`dflashpipe.config.tiny_target_caveat`), in column ``caveat``.

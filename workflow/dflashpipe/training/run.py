@@ -1,6 +1,6 @@
 """What one training run is: its settings (:class:`TrainConfig`, the config's ``drafter`` and ``train``
 sections) and the run itself (:class:`TrainRun`: settings, inputs, outputs, identity, world), built once
-by the job and taken whole by :func:`dflashpipe.drafter.train.train_rank`.
+by the job and taken whole by :func:`dflashpipe.training.train.train_rank`.
 
 A module of its own: :mod:`.train` builds and runs a rank from it, :mod:`.loop` steps it, and
 :mod:`.launch` sends it to the ranks; none of them imports another for it.
@@ -14,8 +14,8 @@ from pathlib import Path
 
 from dflashpipe.jobs.settings import schema_settings
 
-from .checkpoint import checkpoint_dir, run_identity
-from .model import ARCH_FIELDS
+from dflashpipe.training.checkpoint import checkpoint_dir, run_identity
+from dflashpipe.drafter.model import ARCH_FIELDS
 
 
 # ---------------------------------------------------------------------------
@@ -75,7 +75,7 @@ class TrainRun:
 
     Built once by the job (``workflow/scripts/train.py``); the launcher adds the identity (computed
     once: every rank keys the same run) and the rendezvous, and sends it to the node launchers and the
-    ranks as ONE JSON file (:meth:`to_json`). :func:`~dflashpipe.drafter.launch.run_training`, its rank
+    ranks as ONE JSON file (:meth:`to_json`). :func:`~dflashpipe.training.launch.run_training`, its rank
     processes and :func:`train_rank` take it whole (a rank adds its rank and device).
     """
 

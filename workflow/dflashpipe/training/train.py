@@ -30,15 +30,15 @@ import torch.distributed as dist
 from dflashpipe.jobs.runtime import Laps
 from dflashpipe.jobs.tracking import check_available
 
-from .checkpoint import publish, resume
-from .data import run_data
-from .distributed import init_dist
-from .features import prepare_target
-from .fp8 import check_fp8_device
-from .loop import FIGURES, Progress, Rank, train_loop
-from .model import ARCH_KEYS, DFlashDrafter, DrafterConfig, apply_compile_mode
-from .run import TrainConfig, TrainRun  # noqa: F401 (imported from here by the jobs and tests)
-from .step import Setup, allow_bucket_graphs, compile_signature, prime_buckets, resolve_setup, target_cache_off
+from dflashpipe.training.checkpoint import publish, resume
+from dflashpipe.training.data import run_data
+from dflashpipe.training.distributed import init_dist
+from dflashpipe.drafter.features import prepare_target
+from dflashpipe.drafter.fp8 import check_fp8_device
+from dflashpipe.training.loop import FIGURES, Progress, Rank, train_loop
+from dflashpipe.drafter.model import ARCH_KEYS, DFlashDrafter, DrafterConfig, apply_compile_mode
+from dflashpipe.training.run import TrainConfig, TrainRun  # noqa: F401 (imported from here by the jobs and tests)
+from dflashpipe.training.step import Setup, allow_bucket_graphs, compile_signature, prime_buckets, resolve_setup, target_cache_off
 
 
 def resolve_device(device: str) -> torch.device:

@@ -7,7 +7,7 @@ the elastic agent that ``torchrun`` runs (``elastic_launch``, in the launcher's 
 restarts): rank = node x shards + local rank, each rank process sees the GPU of its local rank as
 ``cuda:0`` and starts hot from that slot's warm cache, and the ranks meet through the agent's store
 (``env://``). On one node the job itself is the node's launcher. On several (``train.nodes``, a SLURM
-allocation) the job starts one launcher per node with ``srun`` (``python -m dflashpipe.drafter.launch
+allocation) the job starts one launcher per node with ``srun`` (``python -m dflashpipe.training.launch
 node SPEC``), whose agents meet in a static rendezvous at the first node's address (SLURM's
 ``NodeAddr``); NCCL (gloo on CPU) then runs across the nodes.
 
@@ -47,12 +47,12 @@ from dflashpipe.jobs.errors import UserError
 from dflashpipe.jobs.runtime import CONSOLE_ENV, console_fd
 
 if TYPE_CHECKING:
-    from .run import TrainRun
+    from dflashpipe.training.run import TrainRun
 
 #: the pid of the process that started a rank (its elastic agent): the rank dies with it
 LAUNCHER_ENV = "DFLASH_LAUNCHER_PID"
 #: this module, run as ``python -m`` by the node launchers and the ranks
-MODULE = "dflashpipe.drafter.launch"
+MODULE = "dflashpipe.training.launch"
 
 
 def die_with_launcher() -> None:
@@ -302,7 +302,7 @@ def run_training(run: TrainRun, gpu_config: dict, log=print) -> dict:
     """
     from dflashpipe.jobs.tracking import check_available
 
-    from .checkpoint import mark_complete, republish
+    from dflashpipe.training.checkpoint import mark_complete, republish
 
     check_available(run.cfg.tensorboard, run.cfg.wandb)  # a tracker asked for but not installed: one line before any lease
     run = run.identified()  # once: every rank keys the same run
@@ -355,7 +355,7 @@ def node_main(spec_path: str) -> None:
     """One node's launcher (started by srun on every node of the allocation): this node's ranks."""
     from dflashpipe.jobs.runtime import job
 
-    from .run import TrainRun
+    from dflashpipe.training.run import TrainRun
 
     run = TrainRun.from_json(Path(spec_path).read_text())
     node = int(os.environ["SLURM_NODEID"])
@@ -378,8 +378,8 @@ def rank_main(spec_path: str) -> None:
     from dflashpipe.jobs.lease import allocation_device
     from dflashpipe.jobs.runtime import job
 
-    from .run import TrainRun
-    from .train import train_rank
+    from dflashpipe.training.run import TrainRun
+    from dflashpipe.training.train import train_rank
 
     run = TrainRun.from_json(Path(spec_path).read_text())
     if int(os.environ["WORLD_SIZE"]) != run.world_size:

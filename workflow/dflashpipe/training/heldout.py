@@ -18,10 +18,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .data import HELDOUT_SALT, RunData, make_batch, sample_seed
-from .distributed import all_reduce_
-from .masks import build_block_inputs
-from .step import Setup, forward_loss
+from dflashpipe.training.data import HELDOUT_SALT, RunData, make_batch, sample_seed
+from dflashpipe.training.distributed import all_reduce_
+from dflashpipe.drafter.masks import build_block_inputs
+from dflashpipe.training.step import Setup, forward_loss
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ Directory:
   which SGLang reads before the top level; its weights add ``markov_head.markov_w{1,2}.weight`` and
   ``confidence_head.proj.{weight,bias}``.
 * ``dflash.py``: the remote code ``auto_map`` names, a copy of
-  :mod:`dflashpipe.drafter.hf_modeling` (torch + transformers only), so
+  :mod:`dflashpipe.export.hf_modeling` (torch + transformers only), so
   ``AutoModel.from_pretrained(dir, trust_remote_code=True)`` loads the export.
 * ``README.md``: the model card (:mod:`.card`): target, recipe, data, training figures, serving lines.
 * ``model.safetensors``: exactly the keys of
@@ -49,12 +49,12 @@ from safetensors.torch import load_file
 from dflashpipe.jobs.atomic import atomic_path, save_safetensors
 from dflashpipe.jobs.errors import UserError
 
-from .card import model_card
-from .files import CARD_NAME, CODE_NAME, CONFIG_NAME, WEIGHTS_NAME
-from .model import DFlashDrafter, DrafterConfig, default_target_layer_ids, expected_state_shapes
+from dflashpipe.export.card import model_card
+from dflashpipe.export.files import CARD_NAME, CODE_NAME, CONFIG_NAME, WEIGHTS_NAME
+from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig, default_target_layer_ids, expected_state_shapes
 
 if TYPE_CHECKING:  # copied beside the weights, not run here: a code dependency without its import time
-    from . import hf_modeling  # noqa: F401
+    from dflashpipe.export import hf_modeling  # noqa: F401
 
 #: the class of each architecture, as z-lab names them (``architectures`` and ``auto_map``)
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}

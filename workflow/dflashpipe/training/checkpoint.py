@@ -51,7 +51,7 @@ from dflashpipe.jobs.errors import UserError
 from dflashpipe.jobs.faults import failpoint
 from dflashpipe.jobs.tracking import Tracker
 
-from .distributed import broadcast_int, full_optimizer_state, gather, peak_mem_mb
+from dflashpipe.training.distributed import broadcast_int, full_optimizer_state, gather, peak_mem_mb
 
 METRIC_FIELDS = (
     "step", "epoch", "loss", "acc", "lr", "grad_norm", "tokens_per_s", "tokens_per_s_per_gpu",
@@ -116,7 +116,7 @@ def start_run(ckpt_dir: Path, identity: dict, log=print) -> None:
 
 
 def resume(run, rank: int, log=print) -> dict | None:
-    """The newest intact checkpoint of ``run`` (a :class:`~dflashpipe.drafter.train.TrainRun`), at any K:
+    """The newest intact checkpoint of ``run`` (a :class:`~dflashpipe.training.train.TrainRun`), at any K:
     rank 0 chooses it, then clears a killed writer's leftovers, and every other rank loads the same one;
     None: a fresh start."""
     state = None
@@ -132,7 +132,7 @@ def resume(run, rank: int, log=print) -> dict | None:
 def publish(r, p, history: MetricsHistory) -> dict:
     """The run's summary; its outputs, written by rank 0 once every rank finished (the metrics history, the
     final weights, the summary): no rank returns before they exist. ``r`` and ``p``: the rank and the
-    progress of its loop (:class:`~dflashpipe.drafter.loop.Rank`, :class:`~dflashpipe.drafter.loop.Progress`)."""
+    progress of its loop (:class:`~dflashpipe.training.loop.Rank`, :class:`~dflashpipe.training.loop.Progress`)."""
     run = r.run
     summary = run_summary(r, p)
     if r.rank == 0:
@@ -206,7 +206,7 @@ def heldout_code() -> str:
     from dflashpipe.jobs.codedeps import module_closure
     from dflashpipe.jobs.hotstart import code_digest
 
-    return code_digest(module_closure(Path(__file__).resolve().parents[1], ["drafter.heldout"]))
+    return code_digest(module_closure(Path(__file__).resolve().parents[1], ["training.heldout"]))
 
 
 def mark_complete(ckpt_dir: Path, summary_json: str, final_state: str) -> None:
@@ -283,7 +283,7 @@ def write_outputs(history_csv: Path, model_state: dict, meta: dict, summary: dic
     """The run's outputs, each written atomically, by :func:`publish` after training and by :func:`republish`
     for a finished run: ``metrics_csv`` (a copy of the metrics history ``history_csv``), ``final_state``
     (the final weights ``model_state`` as safetensors with ``meta``, for the export rule,
-    drafter/export.py: export_final; skipped when None) and ``summary_json`` (``summary``)."""
+    export/write.py: export_final; skipped when None) and ``summary_json`` (``summary``)."""
     with atomic_path(metrics_csv) as tmp:
         shutil.copyfile(history_csv, tmp)
     if final_state:
@@ -338,7 +338,7 @@ class MetricsHistory:
     writes; the other ranks take part in the checkpoint's collective and write nothing."""
 
     def __init__(self, r, resume_step: int):
-        """``r``: the rank (:class:`~dflashpipe.drafter.loop.Rank`: its run, drafter, optimiser and log)."""
+        """``r``: the rank (:class:`~dflashpipe.training.loop.Rank`: its run, drafter, optimiser and log)."""
         run, writer = r.run, r.rank == 0
         self.path = Path(run.ckpt_dir) / "metrics.csv"
         self.identity = run.identity

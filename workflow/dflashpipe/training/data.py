@@ -24,8 +24,8 @@ import torch
 
 from dflashpipe.jobs.errors import UserError
 
-from .distributed import check_same_on_all_ranks
-from .masks import sample_anchors
+from dflashpipe.training.distributed import check_same_on_all_ranks
+from dflashpipe.drafter.masks import sample_anchors
 
 #: Salts that keep the anchor streams of training, held-out evaluation and priming apart.
 TRAIN_SALT, HELDOUT_SALT, PRIME_SALT = 0, 1, 2
@@ -98,7 +98,7 @@ class RunData:
 
     def batch(self, step: int, rank: int, setup) -> Batch:
         """Rank ``rank``'s slice of step ``step``'s global batch (1-based), on the setup's device (``setup``:
-        the run's :class:`~dflashpipe.drafter.step.Setup`); anchors seeded by (seed, epoch, step, sample)."""
+        the run's :class:`~dflashpipe.training.step.Setup`); anchors seeded by (seed, epoch, step, sample)."""
         cfg = setup.cfg
         epoch, pos = divmod(step - 1, self.steps_per_epoch)
         if epoch not in self._epoch:  # one epoch's order kept: the steps walk the epochs in order
@@ -128,7 +128,7 @@ def long_enough(ds, cfg, source: str, log=print) -> np.ndarray:
 def run_data(ds, cfg, pad_id: int, source: str, log=print) -> RunData:
     """A run's tokenized data ``ds`` (:func:`dflashpipe.inputs.tokenize.load_tokenized` of ``source``), its
     held-out split and the number of steps (the same on every rank). ``cfg``: the run's
-    :class:`~dflashpipe.drafter.train.TrainConfig`; ``log`` gets a line when the fraction lowers the cap."""
+    :class:`~dflashpipe.training.train.TrainConfig`; ``log`` gets a line when the fraction lowers the cap."""
     buckets = np.asarray(ds["bucket"], dtype=np.int64)
     names = list(ds["dataset"])
     usable = long_enough(ds, cfg, source, log)
@@ -191,7 +191,7 @@ def make_batch(rows: dict, seq_len: int, seeds: list[int], pad_id: int, cfg, dev
                pad_rows_to: int = 0, index=None) -> Batch:
     """Collate tokenized rows (dict of columns) into a padded batch with per-sample anchors.
 
-    ``cfg``: the run's :class:`~dflashpipe.drafter.train.TrainConfig` (``num_anchors`` per sample, of
+    ``cfg``: the run's :class:`~dflashpipe.training.train.TrainConfig` (``num_anchors`` per sample, of
     blocks of ``block_size``). Sample i's anchors come from its own generator seeded with ``seeds[i]``;
     ``pad_rows_to`` appends empty rows (no loss) for a fixed batch shape. ``index``: the rows' dataset
     indices (what :class:`~dflashpipe.drafter.features.TargetCache` keys the target's outputs by).

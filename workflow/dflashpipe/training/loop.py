@@ -19,15 +19,15 @@ import torch
 
 from dflashpipe.jobs.faults import failpoint
 
-from .checkpoint import MetricsHistory
-from .data import RunData
-from .distributed import data_parallel_training, peak_mem_mb
-from .heldout import heldout_figures
-from .step import Setup, lr_at, train_step
+from dflashpipe.training.checkpoint import MetricsHistory
+from dflashpipe.training.data import RunData
+from dflashpipe.training.distributed import data_parallel_training, peak_mem_mb
+from dflashpipe.training.heldout import heldout_figures
+from dflashpipe.training.step import Setup, lr_at, train_step
 
 if TYPE_CHECKING:
-    from .model import DrafterConfig
-    from .run import TrainRun
+    from dflashpipe.drafter.model import DrafterConfig
+    from dflashpipe.training.run import TrainRun
 
 #: the latest figures (saved with each checkpoint), and where the held-out ones come from (heldout_figures)
 FIGURES = ("loss", "acc", "heldout_loss", "heldout_acc", "heldout_sim_tau", "accept_by_position")

@@ -22,19 +22,19 @@ import torch
 
 from dflashpipe.jobs.errors import UserError
 
-from .data import PRIME_SALT, make_batch, sample_seed
-from .distributed import all_reduce_
-from .features import TargetCache, compiled_target_layer, context_features
-from .loss import (DSPARK_CONFIDENCE, EAGER_CE, ChunkCE, Objective, block_loss, compiled_chunk_ce, confidence_loss,
+from dflashpipe.training.data import PRIME_SALT, make_batch, sample_seed
+from dflashpipe.training.distributed import all_reduce_
+from dflashpipe.drafter.features import TargetCache, compiled_target_layer, context_features
+from dflashpipe.drafter.loss import (DSPARK_CONFIDENCE, EAGER_CE, ChunkCE, Objective, block_loss, compiled_chunk_ce, confidence_loss,
                    selector_loss)
-from .masks import attention_masks, block_position_ids, build_block_inputs, default_gamma, dpace_weights
-from .model import apply_compile_mode, resolve_layer_types  # noqa: F401 - apply_compile_mode: the step's too
+from dflashpipe.drafter.masks import attention_masks, block_position_ids, build_block_inputs, default_gamma, dpace_weights
+from dflashpipe.drafter.model import apply_compile_mode, resolve_layer_types  # noqa: F401 - apply_compile_mode: the step's too
 
 
 @dataclass
 class Setup:
     """What a step needs besides the models and the run's plain settings: DERIVED from the config
-    (``cfg``, the run's :class:`~dflashpipe.drafter.train.TrainConfig`, which the step reads its plain
+    (``cfg``, the run's :class:`~dflashpipe.training.train.TrainConfig`, which the step reads its plain
     keys from: ``setup.cfg.grad_clip``), the target, the device and K.
 
     How the step's hot functions run is part of it: ``target_layer`` and ``chunk_ce``
