@@ -189,3 +189,29 @@ def test_config_readme_says_what_a_train_key_reruns_as_the_schema_marks_it():
     assert listed[0] == compiled
     assert listed[2] == operational - compiled
     assert listed[1] == train - compiled - operational
+
+
+def test_jobs_read_their_settings_one_way():
+    """Every job script reads config keys from ``job_config(snakemake)`` (its run's overlay merged in), never
+    from ``snakemake.config`` (which misses the overlay) nor back from its params (which hold a section's
+    result-changing keys only: an operational key read there would silently take the schema's default)."""
+    import ast
+
+    # what the wiring derives (no config key holds it): a warm chain's compile settings (of its signature)
+    derived = {("warm.py", "p.compile")}
+    readers = 0
+    for script in sorted((REPO / "workflow" / "scripts").glob("*.py")):
+        tree = ast.parse(script.read_text())
+        params_names = {"p"} | {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                               for t in n.targets if isinstance(t, ast.Name)
+                               and ast.unparse(n.value) == "snakemake.params"}
+        for node in ast.walk(tree):
+            assert ast.unparse(node) != "snakemake.config", f"{script.name}: reads snakemake.config, not job_config(snakemake)"
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "settings":
+                readers += 1
+                for arg in [*node.args[1:], *(k.value for k in node.keywords)]:
+                    used = {ast.unparse(n) for n in ast.walk(arg) if isinstance(n, ast.Attribute)}
+                    from_params = {u for u in used if u.startswith("snakemake.params") or u.split(".")[0] in params_names}
+                    assert from_params <= {u for name, u in derived if name == script.name}, (
+                        f"{script.name}: settings(...) reads {sorted(from_params)} from params")
+    assert readers >= 5  # the jobs that build settings objects: train, warm, expand, evaluate, ar_draft, tiny target

@@ -25,7 +25,7 @@ from dflashpipe.inputs.tokenize import TOKENIZED_FILES
 from dflashpipe.jobs.codedeps import script_digest
 from dflashpipe.jobs.compile_cache import COMPILE_CACHE
 from dflashpipe.jobs.filedigest import file_digest
-from dflashpipe.jobs.settings import canonical, compile_keys, on_server, result_params, run_config
+from dflashpipe.jobs.settings import canonical, compile_keys, expansion_seed, on_server, result_params, run_config
 
 
 class Paths:
@@ -278,8 +278,8 @@ class Pipeline:
         return lambda wildcards: self.run_cfg(self._run(wildcards))[section]["threads"]
 
     def expand_seed(self) -> int:
-        """Sampling seed of the expansion; greedy decoding ignores it, so a new seed reruns nothing."""
-        return self.config["seed"] if self.config["expand"]["temperature"] > 0 else 0
+        """Sampling seed of the expansion (:func:`~dflashpipe.jobs.settings.expansion_seed`)."""
+        return expansion_seed(self.config)
 
     def expand_gpus(self) -> int:
         """GPU slots an expansion job holds: none when an OpenAI-compatible server generates."""

@@ -21,6 +21,7 @@ if pipeline.ar_drafts():
             target=pipeline.target_dir(),
             cfg=pipeline.ar_draft_params("ar_draft"),
             seed=pipeline.ar_draft_params("seed"),
+            run=pipeline.ar_draft_run,
         script:
             "../scripts/ar_draft.py"
 

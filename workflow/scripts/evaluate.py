@@ -5,17 +5,19 @@ from dflashpipe.jobs.lease import lease_for_job
 from dflashpipe.jobs.folders import folder_of
 from dflashpipe.jobs.memo import Memo
 from dflashpipe.jobs.runtime import job
-from dflashpipe.jobs.settings import settings
+from dflashpipe.jobs.settings import job_config, settings
 
 p = snakemake.params
+config = job_config(snakemake)  # a named run's overlay merged in
 with job(snakemake.log[0], threads=snakemake.threads, name=f"evaluate {snakemake.wildcards.dataset}", outputs=snakemake.output) as log:
     memo = Memo(snakemake)
     if not memo.restore(log):  # the same inputs (by content), params and code: their outputs
-        lease = lease_for_job(snakemake.config)
+        lease = lease_for_job(config)
         log(f"leased slot {lease.slot}: device {lease.device}")
-        use_leased_slot_cache(snakemake.config, lease, log)
+        use_leased_slot_cache(config, lease, log)
         run = EvalRun(
-            settings(EvalSettings, p.cfg, seed=p.seed, chat_template_kwargs=p.chat_template_kwargs),
+            settings(EvalSettings, config["evaluate"], seed=config["seed"],
+                     chat_template_kwargs=config["expand"]["chat_template_kwargs"]),
             target_dir=p.target,
             drafter_dir=folder_of(snakemake.input.drafter),
             prompts_parquet=snakemake.input.prompts,

@@ -2,7 +2,7 @@ from dflashpipe.jobs.compile_cache import use_leased_slot_cache
 from dflashpipe.jobs.lease import lease_for_job
 from dflashpipe.jobs.memo import Memo
 from dflashpipe.jobs.runtime import job
-from dflashpipe.jobs.settings import on_server, settings
+from dflashpipe.jobs.settings import expansion_seed, job_config, on_server, settings
 from dflashpipe.stages.expand import ExpandSettings, expand_prompts
 from dflashpipe.stages.expand_openai import ServerSettings
 
@@ -10,12 +10,13 @@ with job(snakemake.log[0], threads=snakemake.threads, name=f"expand {snakemake.w
     memo = Memo(snakemake)
     if not memo.restore(log):  # the same inputs (by content), params and code: their outputs
         p = snakemake.params
-        expand_settings = settings(ExpandSettings, snakemake.config["expand"], seed=p.seed)  # seed: 0 when greedy
-        server = settings(ServerSettings, snakemake.config["expand"]["server"])  # operational: read at run time
+        config = job_config(snakemake)
+        expand_settings = settings(ExpandSettings, config["expand"], seed=expansion_seed(config))
+        server = settings(ServerSettings, config["expand"]["server"])  # operational: read at run time
         if not on_server(expand_settings.backend):  # the target runs in this job
-            lease = lease_for_job(snakemake.config)  # any free GPU slot
+            lease = lease_for_job(config)  # any free GPU slot
             log(f"leased slot {lease.slot}: device {lease.device}")
-            use_leased_slot_cache(snakemake.config, lease, log)
+            use_leased_slot_cache(config, lease, log)
             device = lease.device
         else:  # the server generates; this job only tokenizes and sends requests
             log(f"backend {expand_settings.backend}: no GPU slot leased; server {server.url}")

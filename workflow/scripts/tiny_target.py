@@ -5,7 +5,7 @@ from dflashpipe.jobs.errors import UserError
 from dflashpipe.jobs.folders import folder_of
 from dflashpipe.jobs.memo import Memo
 from dflashpipe.jobs.runtime import job
-from dflashpipe.jobs.settings import settings
+from dflashpipe.jobs.settings import job_config, settings
 
 
 def chats(path):
@@ -20,7 +20,8 @@ with job(snakemake.log[0], threads=snakemake.threads, name="tiny_target", output
     memo = Memo(snakemake)
     if not memo.restore(log):  # the same inputs (by content), params and code: their outputs
         # the whole section (params hold the result-changing keys only to trigger reruns)
-        cfg = settings(TinyTargetConfig, snakemake.config["target"]["tiny"], seed=snakemake.config["seed"])
+        config = job_config(snakemake)
+        cfg = settings(TinyTargetConfig, config["target"]["tiny"], seed=config["seed"])
         train = [c for path in snakemake.input.train for c in chats(path)]
         model = folder_of(snakemake.output.model)
         metrics = train_tiny_target(train, chats(snakemake.input.heldout), cfg, model, snakemake.output.metrics, log=log)

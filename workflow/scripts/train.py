@@ -2,9 +2,9 @@ from dflashpipe.training.launch import run_training
 from dflashpipe.training.train import TrainConfig, TrainRun
 from dflashpipe.jobs.folders import folder_of
 from dflashpipe.jobs.runtime import job
-from dflashpipe.jobs.settings import run_config, settings
+from dflashpipe.jobs.settings import job_config, settings
 
-config = run_config(snakemake.config, snakemake.wildcards.get("run"))  # a named run's overlay, if any
+config = job_config(snakemake)  # a named run's overlay merged in
 train = config["train"]
 shards, nodes = train["shards"], train["nodes"]
 with job(snakemake.log.main, threads=snakemake.threads, name=f"train ({nodes} x {shards} rank(s))", outputs=snakemake.output) as log:

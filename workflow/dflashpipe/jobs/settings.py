@@ -133,6 +133,24 @@ def settings(cls, *sections: dict, **extra):
 
 
 
+def expansion_seed(config: dict) -> int:
+    """The expansion's sampling seed: the config's, or 0 when it decodes greedily (which ignores it), so that a
+    new seed reruns no greedy expansion."""
+    return config["seed"] if config["expand"]["temperature"] > 0 else 0
+
+
+def job_config(smk) -> dict:
+    """The config a Snakemake job reads its settings from: the workflow's, with the job's run overlay merged
+    in (the run its ``{run}`` wildcard names, or ``params.run`` for a job that runs share: the AR draft).
+
+    The one way a job reads settings: ``settings(Cls, cfg["section"], ...)`` over sections of this. A rule's
+    params only trigger reruns (a section's result-changing keys) or carry what the wiring derives (paths,
+    the target folder, a warm chain's compile settings); a job never
+    reads a config key back from its params, so an operational key (read at run time) is never lost."""
+    run = smk.wildcards.get("run") or smk.params.get("run")
+    return run_config(smk.config, run)
+
+
 def run_config(config: dict, run: str | None) -> dict:
     """The config of one drafter run: the config with ``runs.<run>`` merged in, key by key (``run`` None or
     no ``runs``: the config itself). The jobs of a run read their sections from it."""
