@@ -59,6 +59,7 @@ from train_throughput import QWEN3_8B, TINY, build_target  # noqa: E402
 from dflashpipe.decode.batched import BatchedDecoder, BatchSettings  # noqa: E402
 from dflashpipe.decode.cuda_graph import round_capacity  # noqa: E402
 from dflashpipe.decode.speculative import sync  # noqa: E402
+from dflashpipe.evaluate.concurrency import summarise  # noqa: E402
 
 
 @dataclass
@@ -72,20 +73,6 @@ class Case:
     eos: list
     taus: list  # None: real acceptance; a float: forced (speed only)
     notes: dict
-
-
-def summarise(run) -> dict:
-    rs = [r for r in run.results if r.decode_s > 0]
-    raw = [c for r in run.results if r.accepted for c in r.committed_raw]  # a + 1 per step, before the length cut
-    return {
-        "requests": len(run.results), "new_tokens": run.new_tokens, "wall_s": run.wall_s,
-        "total_tok_s": run.tokens_per_second,
-        "per_user_tok_s": sum(r.decode_tokens / r.decode_s for r in rs) / max(1, len(rs)),
-        "per_user_e2e_tok_s": sum(r.new_tokens / (r.prefill_s + r.decode_s) for r in rs) / max(1, len(rs)),
-        "tau": run.tau if run.tau == run.tau else None, "tau_uncut": sum(raw) / len(raw) if raw else None,
-        "steps": run.steps,
-        "mean_busy_rows": sum(run.busy_rows) / max(1, len(run.busy_rows)),
-    }
 
 
 def free_memory(dev) -> None:

@@ -65,7 +65,8 @@ def mini_config(results: str = "results") -> dict:
         "drafter": {"block_size": 4, "num_layers": 1},
         "train": {"shards": 2, "num_anchors": 8, "batch_size": 4, "max_steps": 6, "checkpoint_every": 2, "heldout_samples": 4, "dist_timeout_s": 120},
         "evaluate": {"num_prompts": 2, "max_new_tokens": 12, "threads": 1,  # every method, the assisted peer's
-                     "methods": ["dflash", "ar", "hf_generate", "prompt_lookup", "assisted"]},  # AR draft included
+                     "methods": ["dflash", "ar", "hf_generate", "prompt_lookup", "assisted"],  # AR draft included
+                     "concurrency": []},  # the speed-up under load: tests/test_concurrency_rule.py turns it on
         "ar_draft": {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
                      "intermediate_size": 64, "seq_len": 64, "batch_size": 2, "max_steps": 4, "threads": 1},
     }

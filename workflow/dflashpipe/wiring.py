@@ -25,7 +25,8 @@ from dflashpipe.inputs.tokenize import TOKENIZED_FILES
 from dflashpipe.jobs.codedeps import script_digest
 from dflashpipe.jobs.compile_cache import COMPILE_CACHE
 from dflashpipe.jobs.filedigest import file_digest
-from dflashpipe.jobs.settings import canonical, compile_keys, expansion_seed, on_server, result_params, run_config
+from dflashpipe.jobs.settings import (canonical, compile_keys, expansion_seed, keys_marked, on_server, result_params,
+                                      run_config)
 
 
 class Paths:
@@ -76,6 +77,9 @@ class Paths:
         # the run's final weights (the train job's), and the export made from them (the export job's)
         self.train_final = f"{rr}/train/final.safetensors"
         self.drafter = f"{rr}/drafter"
+        # the speed-up under load (evaluate.concurrency): every eval set's table and plot, per run
+        self.concurrency_table = f"{rr}/tables/concurrency.csv"
+        self.concurrency_plot = f"{rr}/plots/concurrency.png"
         # the named runs side by side (rule compare; with named runs only)
         self.compare = {"runs": f"{r}/tables/runs.csv", "recipes": f"{r}/tables/recipes.csv", "plot": f"{r}/plots/runs.png"}
         # the assisted-generation peer's draft model (with named runs, one per ar_draft settings and seed)
@@ -118,6 +122,9 @@ class Paths:
 
     def eval_summary(self, dataset: str = "{dataset}") -> str:
         return f"{self.run_root}/eval/{dataset}.summary.json"
+
+    def eval_concurrency(self, dataset: str = "{dataset}") -> str:
+        return f"{self.run_root}/eval/{dataset}.concurrency.json"
 
     def table(self, name: str) -> str:
         return f"{self.run_root}/tables/{self.TABLES[name]}"
@@ -423,6 +430,32 @@ class Pipeline:
         """The plots' legend label of every evaluation method, in the registry's order."""
         return {m.name: m.label for m in METHODS}
 
+    # -- the speed-up under load (evaluate.concurrency) --------------------------------------------------
+    def concurrency_levels(self, run: str | None) -> list[int] | str:
+        """A run's ``evaluate.concurrency``: ``auto`` (the device decides: dflashpipe.evaluate.concurrency), a list,
+        or [] (not measured)."""
+        return self.run_cfg(run)["evaluate"]["concurrency"]
+
+    def measures_concurrency(self) -> bool:
+        """Whether any run measures the speed-up under load (then rules concurrency and its report exist)."""
+        return any(self.concurrency_levels(run) for run in self.run_names)
+
+    def eval_params(self, wildcards) -> dict:
+        """Params function of rule evaluate: the run's result-changing ``evaluate`` keys, less the speed-up
+        under load's (``x-concurrency``: a new concurrency reruns no batch-1 evaluation)."""
+        skip = keys_marked("evaluate", "concurrency")
+        return {k: v for k, v in result_params(self.run_cfg(self._run(wildcards)), "evaluate").items() if k not in skip}
+
+    def concurrency_params(self, wildcards) -> dict:
+        """Params function of rule concurrency: the keys its figures depend on."""
+        ev = self.run_cfg(self._run(wildcards))["evaluate"]
+        return canonical({k: ev[k] for k in (*keys_marked("evaluate", "concurrency"), "max_new_tokens", "num_prompts",
+                                               "temperature")})
+
+    def concurrency_files(self, wildcards=None) -> list[str]:
+        """Input function of rule concurrency_report: a run's measurements (one per eval dataset)."""
+        return [Paths.of_run(self.paths.eval_concurrency(d), self._run(wildcards)) for d in self.datasets_for("eval")]
+
     def eval_summaries(self, wildcards=None) -> list[str]:
         """Input function: a run's evaluation summaries (one per eval dataset)."""
         return [Paths.of_run(self.paths.eval_summary(d), self._run(wildcards)) for d in self.datasets_for("eval")]
@@ -455,6 +488,8 @@ class Pipeline:
             per_run += [p.table(name) for name in p.TABLES] + [p.plot(name) for name in p.PLOTS]
             out += [Paths.of_run(f, run) for f in per_run]
             out += self.run_ar_draft_files(run)
+            if self.concurrency_levels(run):
+                out += [Paths.of_run(f, run) for f in (*self.concurrency_files(), p.concurrency_table, p.concurrency_plot)]
         if self.paths.runs:
             out += list(p.compare.values())
         return list(dict.fromkeys(out))

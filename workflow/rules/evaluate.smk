@@ -48,8 +48,36 @@ rule evaluate:
     params:
         code=pipeline.code("evaluate.py"),
         target=pipeline.target_dir(),
-        cfg=pipeline.run_params("evaluate"),
+        cfg=pipeline.eval_params,
         seed=pipeline.run_seed,
         chat_template_kwargs=pipeline.chat_template_kwargs(),
     script:
         "../scripts/evaluate.py"
+
+
+if pipeline.measures_concurrency():
+
+    rule concurrency:
+        """The speed-up under load on one held-out dataset: AR and DFlash decoding many prompts at once."""
+        input:
+            target=pipeline.target_inputs(),
+            drafter=paths.drafter_files(),
+            prompts=paths.prompts(),
+        output:
+            paths.eval_concurrency(),
+        log:
+            paths.run_log("concurrency", "{dataset}"),
+        benchmark:
+            paths.run_benchmark("concurrency_{dataset}")
+        conda:
+            "../../envs/torch.yaml"
+        threads: pipeline.run_threads("evaluate")
+        resources:
+            gpu=1,
+        params:
+            code=pipeline.code("concurrency.py"),
+            target=pipeline.target_dir(),
+            cfg=pipeline.concurrency_params,
+            chat_template_kwargs=pipeline.chat_template_kwargs(),
+        script:
+            "../scripts/concurrency.py"

@@ -99,3 +99,27 @@ if paths.runs:
             seed=config["seed"],
         script:
             "../scripts/compare.py"
+
+
+if pipeline.measures_concurrency():
+
+    rule concurrency_report:
+        """The speed-up under load of every held-out dataset: a table, a plot, and where DFlash stops paying."""
+        input:
+            pipeline.concurrency_files,
+        output:
+            table=paths.concurrency_table,
+            plot=report(
+                paths.concurrency_plot,
+                caption="../report/concurrency.rst",
+                category="Evaluation",
+            ),
+        log:
+            paths.run_log("plots", "concurrency"),
+        conda:
+            "../../envs/light.yaml"
+        params:
+            code=pipeline.code("concurrency_report.py"),
+            datasets=pipeline.datasets_for("eval"),
+        script:
+            "../scripts/concurrency_report.py"

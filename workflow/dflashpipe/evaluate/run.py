@@ -219,7 +219,7 @@ def _harness(run: EvalRun, dev: torch.device, laps: Laps, log) -> tuple[Harness,
     eos = eos_ids_of(tok, target)
     if not eos:
         raise UserError(f"{run.target_dir}: neither the tokenizer nor the generation config names an eos token")
-    prompts = _read_prompts(run.prompts_parquet, tok, target, dcfg.block_size, s, log)
+    prompts = read_eval_prompts(run.prompts_parquet, tok, target, dcfg.block_size, s, log)
     laps.lap("prompts")
 
     # the static step needs its cache's size up front: the longest prompt, the reply and one verify block,
@@ -270,7 +270,7 @@ def _summary_head(run: EvalRun, h: Harness, n_prompts: int, skipped: Counter, ca
     }
 
 
-def _read_prompts(prompts_parquet, tok, target, block_size: int, s: EvalSettings, log) -> tuple[list[str], list[list[int]], Counter]:
+def read_eval_prompts(prompts_parquet, tok, target, block_size: int, s: EvalSettings, log) -> tuple[list[str], list[list[int]], Counter]:
     """The first ``s.num_prompts`` usable prompts: their ids, their encodings, and why the others were skipped."""
     from dflashpipe.inputs.data import read_prompts, screen_prompt, target_context
 

@@ -45,7 +45,8 @@ class EvalSettings:
     memory-efficient attention plan nothing per shape.
     """
 
-    JOB_KEYS = ("threads",)  # the job's threads
+    # the job's threads; the speed-up under load's keys (rule concurrency reads them: evaluate.concurrency)
+    JOB_KEYS = ("threads", "concurrency", "concurrency_waves")
 
     # the config's `evaluate` section (defaults: the schema's)
     num_prompts: int | None

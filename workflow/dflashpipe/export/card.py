@@ -30,6 +30,8 @@ from pathlib import Path
 
 #: where the measured tau and speed-up of the run's evaluation end up (written after the export)
 EVAL_TABLE = "results/tables/eval.csv"
+#: the speed-up under load, with the concurrency where DFlash stops paying (evaluate.concurrency)
+LOAD_TABLE = "results/tables/concurrency.csv"
 #: the embedded default's training prompts, shipped in this checkout; their licence is stated in
 #: resources/README.md (reasoning-gym: Apache-2.0)
 SHIPPED_PROMPTS = (Path(__file__).resolve().parents[3] / "resources" / "prompts", "apache-2.0")
@@ -175,6 +177,7 @@ def model_card(cfg, *, target: str, datasets: dict | None = None, stats: dict | 
         *_config_section(recipe),
         "## Measured", "",
         f"The acceptance length and speed-up this drafter measured against the target alone are in `{EVAL_TABLE}` "
-        "(the evaluation reads this export, so it runs after it).", "",
+        "(the evaluation reads this export, so it runs after it); the speed-up under load (many requests in flight), "
+        f"with the concurrency at which DFlash stops paying, in `{LOAD_TABLE}`.", "",
         "## Serving", "", serving_lines(cfg, target, drafter), "",
     ])

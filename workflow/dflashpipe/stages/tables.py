@@ -23,7 +23,7 @@ EVAL_COLUMNS = [
 RENAMED = {"tau_uncut_mean": "tau_authors_mean", "tau_uncut_pooled": "tau_authors_pooled"}
 
 
-def _write_csv(df: pd.DataFrame, path: str) -> None:
+def write_csv(df: pd.DataFrame, path: str) -> None:
     with atomic_path(path) as tmp:
         df.to_csv(tmp, index=False)
 
@@ -95,11 +95,11 @@ def compile_table(stamps: list[str], train_summary: str) -> pd.DataFrame:
 def write_tables(eval_summaries, metrics_csv, train_summary, stamps, out: dict, log=print,
                  caveat: str | None = None) -> None:
     ev, pos, hist = eval_tables(eval_summaries, train_summary, caveat)
-    _write_csv(ev, out["eval"])
-    _write_csv(pos, out["positions"])
-    _write_csv(hist, out["histogram"])
-    _write_csv(training_table(metrics_csv), out["training"])
-    _write_csv(compile_table(stamps, train_summary), out["compile"])
+    write_csv(ev, out["eval"])
+    write_csv(pos, out["positions"])
+    write_csv(hist, out["histogram"])
+    write_csv(training_table(metrics_csv), out["training"])
+    write_csv(compile_table(stamps, train_summary), out["compile"])
     cols = ["dataset", "method", "tau_mean", "tau_pooled", "simulated_tau", "tokens_per_s", "speedup_vs_ar",
             "tokens_per_target_forward"]
     log("\n" + ev[cols].to_string(index=False))
