@@ -1,12 +1,12 @@
 """The data-and-steps curve: held-out simulated tau and accuracy against training samples seen.
 
-Reads the ``metrics.csv`` of every recipes.py run under each RUNS folder (``RUNS/<name>/runs/<recipe>_s<seed>/``)
-or, from a committed report, every ``<name>_metrics.csv`` in it or the one named (no batch size there:
-against steps). Plots one line per run and prints, per run, where its simulated tau comes within 2% of
-its last value (the samples it took to flatten). Seeds of one recipe (runs named ``<recipe>_s<seed>``)
-share a colour.
+Reads the training metrics of every run in each RESULTS folder of the workflow (``RESULTS/runs/<name>/train/``
+with named runs, config ``runs``; ``RESULTS/train/`` without) or, from a committed report, every
+``<name>_metrics.csv`` in it or the one named (no batch size there: against steps). Plots one line per run and
+prints, per run, where its simulated tau comes within 2% of its last value (the samples it took to flatten).
+Seeds of one recipe (runs named ``<recipe>_s<seed>``, as in config/recipes.yaml) share a colour.
 
-    python benchmarks/plot_data_curve.py RUNS [RUNS...] curve.png
+    python benchmarks/plot_data_curve.py results [RESULTS...] curve.png
 """
 
 from __future__ import annotations
@@ -27,12 +27,19 @@ FLAT = 0.02  # within 2% of the last held-out figure
 
 def curves(runs: Path) -> dict[str, pd.DataFrame]:
     out = {}
-    for metrics in sorted(runs.glob("*/runs/*/metrics.csv")):
+    # a results folder: its named runs (runs/<name>/train/, each "<name> (<folder>)"), or its one run (train/)
+    folder = runs.resolve().name
+    trained = []
+    if runs.is_dir():
+        named = sorted(runs.glob("runs/*/train/metrics.csv"))
+        trained = [(m.parents[1].name, f"{m.parents[1].name} ({folder})", m) for m in named]
+        trained += [(folder, folder, m) for m in runs.glob("train/metrics.csv")]
+    for run, name, metrics in trained:
         df = pd.read_csv(metrics).dropna(subset=["heldout_sim_tau"])
         summary = json.loads((metrics.parent / "summary.json").read_text())
-        df["samples"] = df["step"] * int(summary.get("global_batch") or summary.get("batch_size") or 0)
-        df.attrs["run"] = metrics.parent.name
-        out[f"{metrics.parents[2].name} ({metrics.parent.name})"] = df
+        df["samples"] = df["step"] * int(summary.get("global_batch") or 0)
+        df.attrs["run"] = run
+        out[name] = df
     # a committed report's copies: the folder's, or the one file named
     for metrics in [runs] if runs.is_file() else sorted(runs.glob("*_metrics.csv")):
         df = pd.read_csv(metrics).dropna(subset=["heldout_sim_tau"])

@@ -7,17 +7,21 @@ import copy
 import json
 import re
 import shutil
+import sys
 
 import pandas as pd
 import pytest
 
-from conftest import mini_config, planned_rules, sha256, snakemake, snakemake_env, write_config
+from conftest import REPO, mini_config, planned_rules, sha256, snakemake, snakemake_env, write_config
 
 RUNS = {"a": {}, "b": {"seed": 1}}
 PER_RUN = {"train", "export", "evaluate", "tables", "plots"}
 COMPARE = {"compare": 1}  # the runs side by side: any run's new figures rewrite it
 #: what any config change plans besides: the record of the config (a local job) and the default target
 RECORD = {"effective_config": 1, "all": 1}
+#: an expansion setting changed: the two training sets' replies, the one tokenized set and the one warm chain
+#: (2 slots, warmed on that set) made again once, for both runs
+DATA_PLAN = {"expand_shard": 2, "merge_expanded": 2, "tokenize": 1, "warm_slot": 2}
 
 
 def runs_config(runs: dict) -> dict:
@@ -74,7 +78,8 @@ def test_two_runs_share_the_data_and_train_a_drafter_each(two_runs):
 
 def test_editing_adding_and_removing_runs(runs_copy):
     """An edit of one run's overlay plans that run's stages only; a new run only its own (its compile
-    signature's warm chain too when it compiles other code); a removed run plans nothing and deletes nothing."""
+    signature's warm chain too when it compiles other code); a removed run plans nothing and deletes nothing.
+    A data key is the workflow's: the data is made again once, for every run."""
     work, cfg = runs_copy
     edited = copy.deepcopy(RUNS)
     edited["b"]["train"] = {"lr": 0.002}
@@ -87,6 +92,12 @@ def test_editing_adding_and_removing_runs(runs_copy):
     kept = {f: sha256(f) for f in (work / "results/runs/b").rglob("*.safetensors")}
     assert planned_rules(work, "--configfile", str(write_config(cfg, runs_config({"a": {}})))) == COMPARE | RECORD
     assert {f: sha256(f) for f in (work / "results/runs/b").rglob("*.safetensors")} == kept and kept
+
+    # the data is the workflow's: other replies are made and tokenized once, and every run trains on them
+    longer = runs_config(RUNS)
+    longer["expand"]["max_new_tokens"] += 8
+    plan = planned_rules(work, "--configfile", str(write_config(cfg, longer)))
+    assert plan == DATA_PLAN | {rule: 2 for rule in PER_RUN} | COMPARE | RECORD, plan
 
 
 def test_a_killed_run_resumes_and_the_other_runs_outputs_stay(runs_copy):
@@ -135,3 +146,24 @@ def test_the_recipes_table_groups_the_runs_that_differ_only_in_their_seed(tmp_pa
     assert table.loc["config", "n_runs"] == 2 and table.loc["config", "runs"] == "a b"
     assert (table.loc["config", "tau_pooled_mean"], table.loc["config", "tau_pooled_min"], table.loc["config", "tau_pooled_max"]) == (3.0, 2.0, 4.0)
     assert table.loc["x", "n_runs"] == 1 and table.loc["x", "speedup_vs_ar_min"] == table.loc["x", "speedup_vs_ar_max"] == 2.0
+
+
+def test_the_data_curve_reads_the_runs_and_committed_reports_together(two_runs, tmp_path, capsys):
+    """benchmarks/plot_data_curve.py: a results folder's runs against samples (steps x their summary's global
+    batch), a committed report's NAME_metrics.csv copies against steps; folders and single files in one figure."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import plot_data_curve
+
+    work, _, _ = two_runs
+    assert plot_data_curve.main(str(work / "results"), str(tmp_path / "a.png")) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out] == ["a (results)", "b (results)"], out
+    assert all(" at 24 samples; within 2% of it from " in line for line in out), out  # 6 steps of 4 sequences
+    report = REPO / "benchmarks" / "results" / "smollm2_h200_s23" / "train"
+    s22 = REPO / "benchmarks" / "results" / "smollm2_h200_s22" / "train" / "dflash2_mix_s0_metrics.csv"
+    assert plot_data_curve.main(str(report), str(s22), str(tmp_path / "b.png")) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "dflash_ce_s0 (smollm2_h200_s23/train): simulated tau 3.99 at 3,000 steps; within 2% of it from 2,600 steps",
+        "dflash_kl_s0 (smollm2_h200_s23/train): simulated tau 3.92 at 3,000 steps; within 2% of it from 2,600 steps",
+        "dflash2_mix_s0 (smollm2_h200_s22/train): simulated tau 4.69 at 3,000 steps; within 2% of it from 2,600 steps"]
+    assert (tmp_path / "a.png").stat().st_size > 0 and (tmp_path / "b.png").stat().st_size > 0
