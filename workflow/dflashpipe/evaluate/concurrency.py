@@ -16,24 +16,21 @@ graphs on a GPU), after an untimed warm-up at that concurrency, and records:
 * ``lossless_rows``: the requests whose DFlash output equals AR's token for token (greedy); and
   ``dflash_outputs``, each distinct prompt's DFlash output by its id.
 
-The table and the plot (:mod:`dflashpipe.stages.concurrency`) read only the pure functions here: no torch.
+The table's rows and the crossover: :mod:`.crossover` (no torch: the report job reads it too).
 
-The crossover (:func:`crossover`) is the first measured concurrency at which DFlash no longer beats AR.
+The crossover (:func:`.crossover.crossover`) is the first measured concurrency at which DFlash no longer beats AR.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflashpipe.evaluate.crossover import crossover, crossover_line, table_rows
 from dflashpipe.jobs.atomic import write_json
 from dflashpipe.jobs.errors import UserError
 
-#: the table's columns, per eval set and concurrency
-COLUMNS = ["dataset", "concurrency", "requests", "ar_total_tok_s", "dflash_total_tok_s", "speedup_total",
-           "ar_per_user_tok_s", "dflash_per_user_tok_s", "speedup_per_user", "tau", "lossless_rows"]
 #: ``evaluate.concurrency: auto`` by device type: a GPU serves many requests; the CPU demo measures a few
 AUTO_LEVELS = {"cuda": (1, 4, 16, 64), "cpu": (1, 4)}
 #: new tokens of the untimed warm-up run at each concurrency (captures the graphs, warms the allocator)
@@ -80,29 +77,6 @@ def resolve_levels(levels, device: str) -> tuple[int, ...]:
     if levels == "auto":
         levels = AUTO_LEVELS["cuda" if torch.device(device).type == "cuda" else "cpu"]
     return tuple(sorted(int(c) for c in levels))
-
-
-def crossover(rows: list[dict], key: str) -> int | None:
-    """The first measured concurrency (ascending) whose ``key`` speed-up is at most 1: where DFlash stops
-    paying. None when it pays at every measured concurrency."""
-    for row in sorted(rows, key=lambda r: r["concurrency"]):
-        value = row.get(key)
-        if value is not None and not math.isnan(value) and value <= 1.0:
-            return int(row["concurrency"])
-    return None
-
-
-def crossover_line(dataset: str, rows: list[dict]) -> str:
-    """One line for the console and the logs."""
-    levels = sorted(r["concurrency"] for r in rows)
-    parts = []
-    for key, what in (("speedup_total", "total throughput"), ("speedup_per_user", "per user")):
-        c = crossover(rows, key)
-        parts.append(f"{what}: pays at every concurrency up to {levels[-1]}" if c is None
-                     else f"{what}: no gain at any concurrency measured" if c == levels[0]
-                     else f"{what}: stops paying at {c} requests")
-    speedups = ", ".join(f"{r['concurrency']}: {r['speedup_total']:.2f}x" for r in sorted(rows, key=lambda r: r["concurrency"]))
-    return f"{dataset}: DFlash under load ({speedups} total); {'; '.join(parts)}"
 
 
 def measure_concurrency(run: ConcurrencyRun, log=print) -> dict:
@@ -171,12 +145,3 @@ def measure_concurrency(run: ConcurrencyRun, log=print) -> dict:
     log(crossover_line(out["dataset"], flat))
     write_json(run.out_json, out)
     return out
-
-
-def table_rows(measured: dict) -> list[dict]:
-    """A set's measurement as the table's rows (none when it was skipped)."""
-    return [{"dataset": measured["dataset"], "concurrency": r["concurrency"], "requests": r["ar"]["requests"],
-             "ar_total_tok_s": r["ar"]["total_tok_s"], "dflash_total_tok_s": r["dflash"]["total_tok_s"],
-             "speedup_total": r["speedup_total"], "ar_per_user_tok_s": r["ar"]["per_user_tok_s"],
-             "dflash_per_user_tok_s": r["dflash"]["per_user_tok_s"], "speedup_per_user": r["speedup_per_user"],
-             "tau": r["dflash"]["tau"], "lossless_rows": r["lossless_rows"]} for r in measured.get("rows", [])]

@@ -7,7 +7,7 @@ import json
 
 import pandas as pd
 
-from dflashpipe.evaluate.concurrency import COLUMNS, crossover, crossover_line, table_rows
+from dflashpipe.evaluate.crossover import COLUMNS, crossover, crossover_line, table_rows
 from dflashpipe.stages.plots import plt, save_png
 from dflashpipe.stages.tables import write_csv
 
