@@ -8,8 +8,10 @@ from dflashpipe.evaluate.metrics import (
     account_steps,
     acceptance_histogram,
     finite_or_none,
+    interleaved_order,
     per_position_acceptance,
     speedup,
+    speedup_spread,
     tau,
     tau_mean,
     tau_pooled,
@@ -102,3 +104,32 @@ def test_the_uncut_tau_columns_are_named_by_what_they_count_and_old_summaries_st
     (tmp_path / "old.json").write_text(json.dumps(old))
     rows, _, _ = eval_tables({"math": str(tmp_path / "old.json")})
     assert (rows["tau_uncut_mean"][0], rows["tau_uncut_pooled"][0], rows["tau_pooled"][0]) == (2.9, 3.0, 2.6)
+
+
+def test_interleaved_order_rotates_so_every_method_leads_equally():
+    methods = ["dflash", "ar", "hf_generate"]
+    orders = [interleaved_order(methods, i) for i in range(6)]
+    assert orders[0] == methods and orders[1] == ["ar", "hf_generate", "dflash"] and orders[3] == methods
+    for m in methods:  # each method first, and right after each other method, equally often
+        assert sum(o[0] == m for o in orders) == 2
+    assert all(sorted(o) == sorted(methods) for o in orders)
+    assert interleaved_order([], 3) == []
+
+
+def test_speedup_spread_on_fixed_timings():
+    # AR: 1 s for 10 tokens per prompt; the method: 0.5 s (2x) on three prompts and 1 s (1x) on one
+    ar = [(1.0, 10)] * 4
+    method = [(0.5, 10), (0.5, 10), (0.5, 10), (1.0, 10)]
+    spread = speedup_spread(ar, method, resamples=4000, seed=1)
+    assert spread["median_per_prompt"] == 2.0  # the median of 2, 2, 2, 1
+    pooled = speedup(4.0, 40, 2.5, 40)  # 1.6
+    assert spread["ci_low"] < pooled < spread["ci_high"]
+    # the interval's ends are pooled speed-ups of resampled prompts: all four at 1x ... none at 1x
+    assert spread["ci_low"] >= 1.0 and spread["ci_high"] <= 2.0 and spread["ci_low"] < 1.5 < 1.75 < spread["ci_high"]
+    assert speedup_spread(ar, method, resamples=4000, seed=1) == spread  # seeded: the same timings, the same interval
+    # identical timings: no spread
+    same = speedup_spread(ar, [(0.5, 10)] * 4)
+    assert same == {"median_per_prompt": 2.0, "ci_low": 2.0, "ci_high": 2.0}
+    # one prompt: no interval
+    one = speedup_spread([(1.0, 10)], [(0.5, 10)])
+    assert one["median_per_prompt"] == 2.0 and math.isnan(one["ci_low"]) and math.isnan(one["ci_high"])

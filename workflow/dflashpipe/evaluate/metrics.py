@@ -135,6 +135,43 @@ def speedup(ar_seconds: float, ar_tokens: int, method_seconds: float, method_tok
     return (ar_seconds / ar_tokens) / (method_seconds / method_tokens)
 
 
+def speedup_spread(ar: Sequence[tuple[float, int]], method: Sequence[tuple[float, int]], resamples: int = 2000,
+                   seed: int = 0, level: float = 0.95) -> dict:
+    """How far a pooled speed-up can be trusted: per prompt ``(decode seconds, decode tokens)`` of AR and of the
+    method, paired by prompt.
+
+    ``median_per_prompt``: the median of the prompts' own speed-ups (one slow prompt cannot move it);
+    ``ci_low``/``ci_high``: the pooled speed-up's ``level`` interval by bootstrap over prompts (the prompts
+    resampled with replacement, ``resamples`` times, seeded: the same timings give the same interval).
+    NaN where fewer than two prompts have timings."""
+    import random
+
+    pairs = [(a, m) for a, m in zip(ar, method) if a[1] > 0 and m[1] > 0 and m[0] > 0 and a[0] > 0]
+    per_prompt = sorted(speedup(a[0], a[1], m[0], m[1]) for a, m in pairs)
+    if len(pairs) < 2:
+        return {"median_per_prompt": per_prompt[0] if per_prompt else _nan(), "ci_low": _nan(), "ci_high": _nan()}
+    n = len(pairs)
+    median = per_prompt[n // 2] if n % 2 else (per_prompt[n // 2 - 1] + per_prompt[n // 2]) / 2
+    rng = random.Random(seed)
+    stats = []
+    for _ in range(resamples):
+        pick = [pairs[rng.randrange(n)] for _ in range(n)]
+        stats.append(speedup(sum(a[0] for a, _ in pick), sum(a[1] for a, _ in pick),
+                             sum(m[0] for _, m in pick), sum(m[1] for _, m in pick)))
+    stats.sort()
+    tail = (1 - level) / 2
+    return {"median_per_prompt": median, "ci_low": stats[int(tail * resamples)],
+            "ci_high": stats[min(resamples - 1, int((1 - tail) * resamples))]}
+
+
+def interleaved_order(methods: Sequence[str], prompt: int) -> list[str]:
+    """The order the methods decode prompt ``prompt`` in: the list rotated by the prompt's index, so that every
+    method runs first (and after each other method) equally often, and a slow spell of the machine falls on
+    all of them alike."""
+    k = prompt % len(methods) if methods else 0
+    return [*methods[k:], *methods[:k]]
+
+
 def finite_or_none(x):
     """JSON-friendly: NaN/inf -> None (recursively through lists and dicts)."""
     if isinstance(x, float):

@@ -4,9 +4,11 @@ The methods are the entries of :mod:`.methods` (all batch size 1, on the same ta
 decoding settings); ``ar``, plain autoregressive decoding in this harness, always runs: it is the
 speed-up denominator and the lossless check's reference.
 
-Each method runs over all prompts in turn (method-major, so peak memory is per
-method). Before any timing, every method decodes the first prompt once, untimed
-(kernels, allocator and caches warm). For greedy decoding the lossless check
+The methods run interleaved: prompt by prompt, each prompt's methods in an order
+rotated by the prompt's index, so that a machine busy for a while slows every
+method alike; each speed-up carries the median of its prompts' own speed-ups and
+a 95% bootstrap interval over prompts. Before any timing, every method decodes
+the first prompt once, untimed (kernels, allocator and caches warm). For greedy decoding the lossless check
 compares DFlash with same-harness AR token for token (and every method's
 agreement with AR is recorded per sample). In reduced precision a block forward
 and a one-token forward round differently, so a greedy divergence can be a
@@ -113,6 +115,9 @@ def _summarise(method: str, results: list[DecodeResult], ar: list[DecodeResult],
         "tokens_per_s_mean_per_response": _mean([r.tokens_per_second for r in results]),
         "speedup_vs_ar": M.speedup(ar_s, ar_tokens, dec_s, dec_tokens),
         "speedup_vs_ar_mean_per_prompt": _mean(per_prompt_speedup),
+        # the spread: the median of the prompts' own speed-ups and the pooled one's 95% interval (bootstrap)
+        **{f"speedup_vs_ar_{k}": v for k, v in M.speedup_spread([(a.decode_s, a.decode_tokens) for a in ar],
+                                                                [(r.decode_s, r.decode_tokens) for r in results]).items()},
         "target_forwards": forwards,
         "tokens_per_target_forward": dec_tokens / forwards if forwards else float("nan"),
         "tau_mean": M.tau_mean([r.committed for r in results]),
@@ -311,8 +316,13 @@ def _start(methods, harness: Harness, log) -> tuple[dict[str, Runner], dict[str,
 
 
 def _decode_all(runners: dict[str, Runner], encoded, s: EvalSettings, dev, log) -> tuple[dict[str, list[DecodeResult]], dict[str, dict]]:
-    """Every method over every prompt, method by method (after one untimed warm-up decode each);
-    the results, and each method's peak memory and wall time."""
+    """Every method over every prompt, interleaved: prompt by prompt, each prompt's methods in a rotated order
+    (:func:`~.metrics.interleaved_order`), so that the methods compared meet the same conditions (a machine busy
+    for a while slows them alike). Each method first decodes the first prompt once, untimed. Returns the
+    results, and each method's peak memory and wall time (the sum of its decodes); the load average at the
+    start and the end is logged and kept."""
+    import os
+
     from tqdm import tqdm
 
     if s.warmup:
@@ -321,23 +331,33 @@ def _decode_all(runners: dict[str, Runner], encoded, s: EvalSettings, dev, log) 
             runner.decode(encoded[0], s.max_new_tokens, s.seed)
             laps.lap(method)
         log(f"first decodes (untimed: compiling, capturing, allocating): {laps}")
-    results, measured = {}, {}
-    for method, runner in runners.items():
-        _peak_memory_reset(dev)
-        t0 = time.time()
-        out = []
-        bar = tqdm(range(len(encoded)), desc=f"evaluate {method}", mininterval=5)
-        for i in bar:
-            r = runner.decode(encoded[i], s.max_new_tokens, s.seed + i)
-            out.append(r)
-            tok_s = sum(x.decode_tokens for x in out) / max(1e-9, sum(x.decode_s for x in out))
-            bar.set_postfix(tau=f"{M.tau_pooled([x.committed for x in out]):.2f}", tok_s=f"{tok_s:.1f}", refresh=False)
-        results[method] = out
-        measured[method] = {**_peak_memory(dev), "wall_s": time.time() - t0}
+    load_start = os.getloadavg()
+    results = {m: [] for m in runners}
+    wall, peak = dict.fromkeys(runners, 0.0), {}
+    bar = tqdm(range(len(encoded)), desc=f"evaluate {len(runners)} methods, interleaved", mininterval=5)
+    for i in bar:
+        for method in M.interleaved_order(list(runners), i):
+            _peak_memory_reset(dev)
+            t0 = time.perf_counter()
+            results[method].append(runners[method].decode(encoded[i], s.max_new_tokens, s.seed + i))
+            wall[method] += time.perf_counter() - t0
+            mem = _peak_memory(dev)
+            peak[method] = mem if mem["peak_memory_bytes"] >= peak.get(method, mem)["peak_memory_bytes"] else peak[method]
+        out = results.get("dflash") or next(iter(results.values()))
+        bar.set_postfix(tau=f"{M.tau_pooled([x.committed for x in out]):.2f}", refresh=False)
+    load_end = os.getloadavg()
+    measured = {m: {**peak[m], "wall_s": wall[m]} for m in runners}
+    for method, out in results.items():
         log(
             f"{method}: {sum(r.new_tokens for r in out)} tokens, tau {M.tau_pooled([r.committed for r in out]):.3f} (pooled), "
             f"{M.tokens_per_second(sum(r.decode_tokens for r in out), sum(r.decode_s for r in out)):.1f} decode tok/s"
         )
+    cores = os.cpu_count() or 1
+    busy = max(load_start[0], load_end[0]) > cores
+    log(f"load average (1 min) {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end, on {cores} cores"
+        + (": the machine was busy, speed-ups are less certain (tau is not affected; see their interval)" if busy else ""))
+    for m in measured:
+        measured[m]["load_average"] = {"start": list(load_start), "end": list(load_end), "cores": cores}
     return results, measured
 
 

@@ -29,10 +29,14 @@ def runs_table(runs: dict[str, dict], seed: int, eval_csvs: dict[str, str], summ
         for _, r in ev[ev["method"] == "dflash"].iterrows():
             rows.append({"run": run, "recipe": recipe_of(overlay), "seed": overlay.get("seed", seed),
                          "dataset": r["dataset"], "tau_pooled": r["tau_pooled"], "tau_mean": r["tau_mean"],
-                         "speedup_vs_ar": r["speedup_vs_ar"], "simulated_tau": train.get("heldout_sim_tau"),
+                         "speedup_vs_ar": r["speedup_vs_ar"],
+                         # the run's own 95% interval (bootstrap over its prompts): older tables lack it
+                         "speedup_ci_low": r.get("speedup_vs_ar_ci_low"), "speedup_ci_high": r.get("speedup_vs_ar_ci_high"),
+                         "simulated_tau": train.get("heldout_sim_tau"),
                          "train_steps": train.get("steps"), "train_seconds": train.get("total_seconds"),
                          "train_gpu_seconds": (train.get("total_seconds") or 0) * train.get("world_size", 1)})
-    return pd.DataFrame(rows, columns=["run", "recipe", "seed", "dataset", *FIGURES[:4], "train_steps", *FIGURES[4:]])
+    return pd.DataFrame(rows, columns=["run", "recipe", "seed", "dataset", *FIGURES[:3], "speedup_ci_low", "speedup_ci_high",
+                                       FIGURES[3], "train_steps", *FIGURES[4:]])
 
 
 def recipes_table(per_run: pd.DataFrame) -> pd.DataFrame:

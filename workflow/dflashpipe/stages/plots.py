@@ -136,6 +136,11 @@ def tau_speedup(eval_csv: str, out_png: str, method_labels: dict[str, str]) -> N
         xs = [j + i * width for j in range(len(datasets))]
         b1 = ax_tau.bar(xs, g["tau_mean"], width, label=method_labels[m])
         b2 = ax_sp.bar(xs, g["speedup_vs_ar"], width, label=method_labels[m])
+        if {"speedup_vs_ar_ci_low", "speedup_vs_ar_ci_high"} <= set(g.columns):  # the 95% interval over prompts
+            low, high = g["speedup_vs_ar_ci_low"], g["speedup_vs_ar_ci_high"]
+            ax_sp.errorbar(xs, g["speedup_vs_ar"], yerr=[(g["speedup_vs_ar"] - low).clip(lower=0),
+                                                         (high - g["speedup_vs_ar"]).clip(lower=0)],
+                           fmt="none", ecolor="k", elinewidth=0.8, capsize=2)
         ax_tau.bar_label(b1, labels=[_fmt(v) for v in g["tau_mean"]], fontsize=7)
         ax_sp.bar_label(b2, labels=[_fmt(v) for v in g["speedup_vs_ar"]], fontsize=7)
         pooled = ax_tau.plot(xs, g["tau_pooled"], "k.", markersize=6)[0]
@@ -151,7 +156,8 @@ def tau_speedup(eval_csv: str, out_png: str, method_labels: dict[str, str]) -> N
         ax.grid(alpha=0.3, axis="y")
     ax_tau.set(ylabel="tau_mean (tokens per target forward)", title="Acceptance length (bars: tau_mean)")
     ax_sp.axhline(1.0, color="k", lw=0.8)
-    ax_sp.set(ylabel="speedup_vs_ar: decode speed-up over AR (x)", title="Speed-up (same harness, decode only)")
+    ax_sp.set(ylabel="speedup_vs_ar: decode speed-up over AR (x)",
+              title="Speed-up (same harness, decode only; whiskers: 95% interval over prompts)")
     handles, labels = ax_tau.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.06 if marks else 0),
                ncol=max(1, len(methods)), fontsize=8, frameon=False)

@@ -15,7 +15,8 @@ from dflashpipe.jobs.atomic import atomic_path
 
 EVAL_COLUMNS = [
     "n_prompts", "tau_mean", "tau_pooled", "tau_uncut_mean", "tau_uncut_pooled", "tokens_per_s",
-    "speedup_vs_ar", "tokens_per_target_forward", "decode_tokens", "decode_s", "peak_memory_bytes", "matches_ar",
+    "speedup_vs_ar", "speedup_vs_ar_median_per_prompt", "speedup_vs_ar_ci_low", "speedup_vs_ar_ci_high",
+    "tokens_per_target_forward", "decode_tokens", "decode_s", "peak_memory_bytes", "matches_ar",
 ]  # fmt: skip
 
 
