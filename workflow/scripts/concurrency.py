@@ -1,8 +1,7 @@
 from dflashpipe.evaluate.concurrency import ConcurrencyRun, measure_concurrency
 from dflashpipe.evaluate.settings import EvalSettings
-from dflashpipe.jobs.compile_cache import use_leased_slot_cache
+from dflashpipe.jobs.compile_cache import lease_gpu_slot
 from dflashpipe.jobs.folders import folder_of
-from dflashpipe.jobs.lease import lease_for_job
 from dflashpipe.jobs.memo import Memo
 from dflashpipe.jobs.runtime import job
 from dflashpipe.jobs.settings import job_config, settings
@@ -11,9 +10,7 @@ config = job_config(snakemake)  # a named run's overlay merged in
 with job(snakemake.log[0], threads=snakemake.threads, name=f"concurrency {snakemake.wildcards.dataset}", outputs=snakemake.output) as log:
     memo = Memo(snakemake)
     if not memo.restore(log):  # the same inputs (by content), params and code: their outputs
-        lease = lease_for_job(config)
-        log(f"leased slot {lease.slot}: device {lease.device}")
-        use_leased_slot_cache(config, lease, log)
+        lease = lease_gpu_slot(config, log)
         ev = config["evaluate"]
         measure_concurrency(
             ConcurrencyRun(

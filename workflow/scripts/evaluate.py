@@ -1,7 +1,6 @@
 from dflashpipe.evaluate.run import evaluate_dataset
 from dflashpipe.evaluate.settings import EvalRun, EvalSettings
-from dflashpipe.jobs.compile_cache import use_leased_slot_cache
-from dflashpipe.jobs.lease import lease_for_job
+from dflashpipe.jobs.compile_cache import lease_gpu_slot
 from dflashpipe.jobs.folders import folder_of
 from dflashpipe.jobs.memo import Memo
 from dflashpipe.jobs.runtime import job
@@ -12,9 +11,7 @@ config = job_config(snakemake)  # a named run's overlay merged in
 with job(snakemake.log[0], threads=snakemake.threads, name=f"evaluate {snakemake.wildcards.dataset}", outputs=snakemake.output) as log:
     memo = Memo(snakemake)
     if not memo.restore(log):  # the same inputs (by content), params and code: their outputs
-        lease = lease_for_job(config)
-        log(f"leased slot {lease.slot}: device {lease.device}")
-        use_leased_slot_cache(config, lease, log)
+        lease = lease_gpu_slot(config, log)
         run = EvalRun(
             settings(EvalSettings, config["evaluate"], seed=config["seed"],
                      chat_template_kwargs=config["expand"]["chat_template_kwargs"]),

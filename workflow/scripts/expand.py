@@ -1,5 +1,4 @@
-from dflashpipe.jobs.compile_cache import use_leased_slot_cache
-from dflashpipe.jobs.lease import lease_for_job
+from dflashpipe.jobs.compile_cache import lease_gpu_slot
 from dflashpipe.jobs.memo import Memo
 from dflashpipe.jobs.runtime import job
 from dflashpipe.jobs.settings import expansion_seed, job_config, on_server, settings
@@ -14,9 +13,7 @@ with job(snakemake.log[0], threads=snakemake.threads, name=f"expand {snakemake.w
         expand_settings = settings(ExpandSettings, config["expand"], seed=expansion_seed(config))
         server = settings(ServerSettings, config["expand"]["server"])  # operational: read at run time
         if not on_server(expand_settings.backend):  # the target runs in this job
-            lease = lease_for_job(config)  # any free GPU slot
-            log(f"leased slot {lease.slot}: device {lease.device}")
-            use_leased_slot_cache(config, lease, log)
+            lease = lease_gpu_slot(config, log)  # any free GPU slot
             device = lease.device
         else:  # the server generates; this job only tokenizes and sends requests
             log(f"backend {expand_settings.backend}: no GPU slot leased; server {server.url}")

@@ -342,7 +342,8 @@ def _decode_all(runners: dict[str, Runner], encoded, s: EvalSettings, dev, log) 
             results[method].append(runners[method].decode(encoded[i], s.max_new_tokens, s.seed + i))
             wall[method] += time.perf_counter() - t0
             mem = _peak_memory(dev)
-            peak[method] = mem if mem["peak_memory_bytes"] >= peak.get(method, mem)["peak_memory_bytes"] else peak[method]
+            if method not in peak or mem["peak_memory_bytes"] > peak[method]["peak_memory_bytes"]:
+                peak[method] = mem
         out = results.get("dflash") or next(iter(results.values()))
         bar.set_postfix(tau=f"{M.tau_pooled([x.committed for x in out]):.2f}", refresh=False)
     load_end = os.getloadavg()

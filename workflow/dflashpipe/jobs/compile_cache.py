@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from dflashpipe.jobs.lease import DeviceLease
+from dflashpipe.jobs.lease import DeviceLease, lease_for_job
 
 
 #: the folder under ``results`` of the GPU slots' compile caches (one ``slot{i}`` inside each)
@@ -41,6 +41,15 @@ def use_leased_slot_cache(config: dict, lease: DeviceLease, log=print) -> dict[s
     env = use_slot_cache(Path(config["results"]) / COMPILE_CACHE, lease.slot)
     log(f"compile cache: slot {lease.slot}'s (a later job with these shapes loads what this one compiles)")
     return env
+
+
+def lease_gpu_slot(config: dict, log=print) -> DeviceLease:
+    """A GPU job outside the warm chain: any free slot leased (held until the process ends), and its
+    compile cache used (:func:`use_leased_slot_cache`)."""
+    lease = lease_for_job(config)
+    log(f"leased slot {lease.slot}: device {lease.device}")
+    use_leased_slot_cache(config, lease, log)
+    return lease
 
 
 def seed_slot_cache(cache_root: str | os.PathLike, slot: int) -> int:
