@@ -157,7 +157,7 @@ def tau_speedup(eval_csv: str, out_png: str, method_labels: dict[str, str]) -> N
     ax_tau.set(ylabel="tau_mean (tokens per target forward)", title="Acceptance length (bars: tau_mean)")
     ax_sp.axhline(1.0, color="k", lw=0.8)
     ax_sp.set(ylabel="speedup_vs_ar: decode speed-up over AR (x)",
-              title="Speed-up (same harness, decode only; whiskers: 95% interval over prompts)")
+              title="Speed-up (decode only; whiskers: 95% interval)")
     handles, labels = ax_tau.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.06 if marks else 0),
                ncol=max(1, len(methods)), fontsize=8, frameon=False)
