@@ -223,6 +223,7 @@ wait)
         $PY -c "import pandas as pd, sys; pd.set_option('display.width', 250); pd.set_option('display.max_columns', 30)
 print(pd.read_csv(sys.argv[1]).to_string(index=False))" "$RES/tables/eval.csv" 2>/dev/null || cat "$RES/tables/eval.csv"
     fi
+    [ ! -f "$RES/tables/concurrency.csv" ] || { echo "--- $RES/tables/concurrency.csv"; cat "$RES/tables/concurrency.csv"; }
     pack "$ARG" "$WORK/snakemake.log"
     echo "--- jobs (Snakemake's log)" && cat "$ARG/jobs.md"
     echo "--- jobs (Snakemake's benchmark files)" && cat "$ARG/benchmarks.md"
