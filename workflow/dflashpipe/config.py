@@ -71,7 +71,28 @@ def _message(err: jsonschema.ValidationError) -> str:
         return f"{where}: give exactly one of `path` (a local jsonl/parquet file) or `hf` (a Hugging Face dataset name)"
     if err.validator == "required":
         return f"{where}: {err.message}"
+    if err.validator == "anyOf":
+        forms = " or ".join(_form(s) for s in err.validator_value)
+        # the reason within the form the value has (its type matched): an item out of range, a repeat
+        inner = [e for e in err.context if e.relative_path or e.validator not in ("type", "enum")]
+        why = ""
+        if inner:
+            e = inner[0]
+            why = f" ({'item ' + _dotted(e.relative_path) + ': ' if e.relative_path else ''}{e.message})"
+        return f"{where}: {err.instance!r} is not {forms}{why}"
     return f"{where}: {err.message}"
+
+
+def _form(schema: dict) -> str:
+    """One form a key takes, in words (``'auto'``, ``a list of distinct integers >= 1``)."""
+    if "enum" in schema:
+        return " or ".join(repr(v) for v in schema["enum"])
+    if schema.get("type") == "array":
+        items = schema.get("items", {})
+        what = {"integer": "integers", "number": "numbers", "string": "strings"}.get(items.get("type"), "values")
+        bound = f" >= {items['minimum']}" if "minimum" in items else ""
+        return f"a list of {'distinct ' if schema.get('uniqueItems') else ''}{what}{bound}"
+    return f"of type {schema.get('type')}"
 
 
 def validate_config(config: dict, schema_path: str, source: str = "config", gpus: int = 1,
