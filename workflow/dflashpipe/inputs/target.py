@@ -65,6 +65,12 @@ def check_target_files(path: str, field: str = "target.path") -> Path:
     a model directory (:func:`check_target_dir`) whose safetensors weights are whole (every shard an index
     names is there) and whose tokenizer has a chat template. Reads headers only: no torch, no weights."""
     p = check_target_dir(path, field)
+    for name in ("config.json", "tokenizer_config.json", "tokenizer.json"):
+        try:
+            if (p / name).is_file() and not isinstance(json.loads((p / name).read_text()), dict):
+                raise ValueError("not a JSON object")
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise UserError(f"{field}: {p / name} does not read as JSON ({err}); copy the model again") from None
     index = p / "model.safetensors.index.json"
     shards = sorted(p.glob("*.safetensors"))
     if index.is_file():
