@@ -327,7 +327,8 @@ def load_drafter(
     try:
         state = load_file(str(w_file))
     except (SafetensorError, OSError) as err:
-        raise UserError(f"{w_file}: cannot read safetensors ({err})") from None
+        raise UserError(f"{w_file}: cannot read safetensors ({err}); the file is truncated or corrupt: delete it and "
+                        "rerun, snakemake exports it again (a drafter of your own: copy it again)") from None
     expected = expected_state_shapes(cfg)
     state = {k: v for k, v in state.items() if not (cfg.arch == "dspark" and k.startswith(SHARED_PREFIXES))}
     missing = [k for k in expected if k not in state]

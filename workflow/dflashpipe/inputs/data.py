@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from dflashpipe.jobs.errors import UserError
+from dflashpipe.jobs.errors import UserError, damaged_output
 
 LOCAL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 
@@ -363,11 +363,7 @@ def read_parquet(path: str) -> pd.DataFrame:
     try:
         return pd.read_parquet(path)
     except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a damaged file
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
-        raise UserError(
-            f"{path}: cannot read ({first}); the file is truncated or corrupt: delete it and rerun, "
-            "snakemake makes it again"
-        ) from None
+        raise damaged_output(path, err) from None
 
 
 def read_prompts(path: str) -> pd.DataFrame:

@@ -42,7 +42,7 @@ import numpy as np
 
 from dflashpipe.inputs.data import read_parquet
 from dflashpipe.jobs.atomic import atomic_path, write_json
-from dflashpipe.jobs.errors import UserError
+from dflashpipe.jobs.errors import UserError, damaged_output
 
 #: the files of the tokenized dataset (``datasets.save_to_disk`` in one shard): the workflow asks for each
 #: of them, so a file deleted from ``results/tokenized/train/`` makes the tokenize job run again
@@ -447,4 +447,7 @@ def load_tokenized(path: str):
 
     if not Path(path).exists():
         raise UserError(f"{path}: tokenized dataset missing; run the tokenize stage first")
-    return datasets.load_from_disk(path)
+    try:
+        return datasets.load_from_disk(path)
+    except Exception as err:  # noqa: BLE001 - pyarrow and datasets raise several types for a damaged file
+        raise damaged_output(path, err) from None

@@ -46,3 +46,12 @@ def disk_full_line(err: OSError, job: str, outputs=()) -> str:
         room = "free space unknown"
     return (f"{job}: no space left on device writing {where} ({room}); free space on that filesystem and rerun: "
             "nothing finished is lost, the job starts again from what it kept")
+
+
+def damaged_output(path, err: BaseException) -> UserError:
+    """The one line for an output of the workflow that does not read (a machine that stopped while it was
+    copied, a disk error): the file, the reader's first line, and that deleting it makes the rerun write it
+    again."""
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+    return UserError(f"{path}: cannot read ({first}); the file is truncated or corrupt: delete it and rerun, "
+                     "snakemake makes it again")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from dflashpipe.jobs.atomic import atomic_path
+from dflashpipe.jobs.errors import damaged_output
 
 EVAL_COLUMNS = [
     "n_prompts", "tau_mean", "tau_pooled", "tau_uncut_mean", "tau_uncut_pooled", "tokens_per_s",
@@ -22,6 +23,14 @@ EVAL_COLUMNS = [
 
 #: a column under its name in older evaluation summaries (they still make tables)
 RENAMED = {"tau_uncut_mean": "tau_authors_mean", "tau_uncut_pooled": "tau_authors_pooled"}
+
+
+def read_json(path: str) -> dict:
+    """A stage's JSON output, or one line naming it when it is truncated or corrupt."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, ValueError) as err:
+        raise damaged_output(path, err) from None
 
 
 def write_csv(df: pd.DataFrame, path: str) -> None:
@@ -39,10 +48,10 @@ def eval_tables(eval_summaries: dict[str, str], train_summary: str | None = None
     rows of dataset ``simulated (training held-out)``. ``caveat``: what the figures are not (the tiny
     target on data off its domain, :func:`dflashpipe.config.tiny_target_caveat`), in column ``caveat``.
     """
-    train = json.loads(Path(train_summary).read_text()) if train_summary else {}
+    train = read_json(train_summary) if train_summary else {}
     rows, positions, histogram = [], [], []
     for dataset, path in eval_summaries.items():
-        s = json.loads(Path(path).read_text())
+        s = read_json(path)
         lossless = s.get("lossless", {})
         for method, m in s["methods"].items():
             rows.append(
@@ -74,17 +83,20 @@ SIMULATED = "simulated (training held-out)"
 
 
 def training_table(metrics_csv: str) -> pd.DataFrame:
-    return pd.read_csv(metrics_csv)
+    try:
+        return pd.read_csv(metrics_csv)
+    except (UnicodeDecodeError, ValueError) as err:  # pandas' EmptyDataError and ParserError are ValueErrors
+        raise damaged_output(metrics_csv, err) from None
 
 
 def compile_table(stamps: list[str], train_summary: str) -> pd.DataFrame:
     """Per slot: the warm job's compile seconds and the training rank's priming seconds (warm cache)."""
     rows = []
     for path in stamps:
-        s = json.loads(Path(path).read_text())
+        s = read_json(path)
         rows.append({"slot": s["slot"], "phase": "warm job", "seconds": s["compile_seconds"],
                      "cache_misses": s["counters"]["fxgraph_cache_miss"] + s["counters"]["autograd_cache_miss"]})
-    for r in json.loads(Path(train_summary).read_text())["ranks"]:
+    for r in read_json(train_summary)["ranks"]:
         hot = r.get("hot_start") or {}
         if hot.get("prime_seconds") is not None:
             c = hot.get("counters") or {}
