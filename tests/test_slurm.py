@@ -54,13 +54,28 @@ def slurm_env(cluster_env: dict, **extra: str) -> dict:
     return snakemake_env(SLURM_CONF=cluster_env["SLURM_CONF"], GLOO_SOCKET_IFNAME="eth0", **extra)
 
 
+# The executor plugin backs off by 10 s a check while a job runs (2, 12, 22, 32 s... between its squeue
+# checks): a job of 14 s was seen to end after 36 s. The tests' Snakemake asks squeue every second.
+SQUEUE_EVERY_SECOND = (
+    "from snakemake_interface_executor_plugins.executors.remote import RemoteExecutor; "
+    "RemoteExecutor.next_seconds_between_status_checks = property(lambda self: 1, lambda self, value: None); "
+    "from snakemake.cli import main; main()")
+
+
+def slurm_snakemake_cmd(work: Path, *args: str) -> list[str]:
+    """``snakemake_cmd`` with the executor's status checks a second apart."""
+    python, m, module, *rest = snakemake_cmd(work, *args)
+    assert (m, module) == ("-m", "snakemake")
+    return [python, "-c", SQUEUE_EVERY_SECOND, *rest]
+
+
 def through_slurm(work: Path, cfg: Path, env: dict, timeout: int = 900) -> subprocess.CompletedProcess:
     """The training job's outputs through sbatch (everything before it is done)."""
-    return snakemake(work, "results/train/final.safetensors", "--executor", "slurm", "--jobs", "1",
-                     "--latency-wait", "10", "--slurm-status-command", "squeue",
-                     "--slurm-init-seconds-before-status-checks", "2", "--slurm-keep-successful-logs",
-                     "--default-resources", "mem_mb=400", "runtime=30", "--configfile", str(cfg),
-                     env=env, timeout=timeout)
+    cmd = slurm_snakemake_cmd(work, "results/train/final.safetensors", "--executor", "slurm", "--jobs", "1",
+                              "--latency-wait", "10", "--slurm-status-command", "squeue",
+                              "--slurm-init-seconds-before-status-checks", "2", "--slurm-keep-successful-logs",
+                              "--default-resources", "mem_mb=400", "runtime=30", "--configfile", str(cfg))
+    return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def job_logs(work: Path) -> list[Path]:
@@ -157,10 +172,10 @@ def test_a_killed_node_fails_the_job_in_one_line_and_the_rerun_resumes(slurm, mi
     faults = {"DFLASH_FAULTS": json.dumps([{"at": "train.step", "step": FAULT_STEP, "rank": 1, "do": "park"}]),
               "DFLASH_FAULT_MARKER": str(marker)}
     t0 = time.time()
-    cmd = snakemake_cmd(work, "results/train/final.safetensors", "--executor", "slurm", "--jobs", "1",
-                        "--latency-wait", "10", "--slurm-status-command", "squeue",
-                        "--slurm-init-seconds-before-status-checks", "2", "--default-resources", "mem_mb=400",
-                        "runtime=30", "--configfile", str(cfg))
+    cmd = slurm_snakemake_cmd(work, "results/train/final.safetensors", "--executor", "slurm", "--jobs", "1",
+                              "--latency-wait", "10", "--slurm-status-command", "squeue",
+                              "--slurm-init-seconds-before-status-checks", "2", "--default-resources", "mem_mb=400",
+                              "runtime=30", "--configfile", str(cfg))
     proc = subprocess.Popen(cmd, cwd=work, env=slurm_env(slurm, **faults), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 600
