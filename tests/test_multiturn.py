@@ -166,7 +166,7 @@ def test_workflow_trains_every_turn(tmp_path):
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
     cfg = mini_config()
     cfg["datasets"]["math"]["limit"] = 8
-    cfg["datasets"]["code"]["limit"] = 4
+    del cfg["datasets"]["code"]  # one shipped training set beside the chats: each run expands two, not three
     cfg["datasets"]["chats"] = {"path": str(tmp_path / "chats.jsonl"), "messages_column": "conversations",
                                 "format": "sharegpt"}
     config = write_config(tmp_path / "config.yaml", cfg)
