@@ -195,7 +195,10 @@ def test_the_workflow_runs_from_another_folder_and_as_a_module(tmp_path):
 
     project = tmp_path / "project"
     (project / "config").mkdir(parents=True)
-    write_config(project / "config" / "config.yaml", mini_config())
+    cfg = mini_config()  # smaller, end to end all the same: one training set, one GPU slot, AR beside DFlash
+    del cfg["datasets"]["code"]
+    cfg["gpu"]["slots"], cfg["train"]["shards"], cfg["evaluate"]["methods"] = 1, 1, ["dflash", "ar"]
+    write_config(project / "config" / "config.yaml", cfg)
     shutil.copytree(REPO / "profiles" / "default", project / "profiles" / "default")
     (project / "Snakefile").write_text(
         'configfile: "config/config.yaml"\n\n\n'
