@@ -373,7 +373,8 @@ def export_final(final_state: str | os.PathLike, target_dir: str | os.PathLike, 
             meta = f.metadata() or {}
         state = load_file(str(final_state))
     except (SafetensorError, OSError) as err:
-        raise UserError(f"{final_state}: cannot read the run's final weights ({err})") from None
+        raise UserError(f"{final_state}: cannot read the run's final weights ({err}); the file is truncated or corrupt: "
+                        "delete it and rerun, snakemake writes it again from the run's last checkpoint") from None
     if "drafter_config" not in meta:
         raise UserError(f"{final_state}: no drafter_config in its metadata; not the final weights of a training run")
     # weights saved before drafter.arch existed name no arch: they are the paper's DFlash
@@ -401,4 +402,5 @@ def _read_json(path) -> dict:
     try:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
-        raise UserError(f"{path}: cannot read it for the model card ({err})") from None
+        raise UserError(f"{path}: cannot read it for the model card ({err}); the file is truncated or corrupt: delete "
+                        "it and rerun, snakemake makes it again") from None

@@ -52,6 +52,8 @@ def damaged_output(path, err: BaseException) -> UserError:
     """The one line for an output of the workflow that does not read (a machine that stopped while it was
     copied, a disk error): the file, the reader's first line, and that deleting it makes the rerun write it
     again."""
-    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0].replace(f" '{path}'", "")
+    if len(first) > 160:
+        first = first[:160].rsplit(" ", 1)[0] + " ..."
     return UserError(f"{path}: cannot read ({first}); the file is truncated or corrupt: delete it and rerun, "
                      "snakemake makes it again")

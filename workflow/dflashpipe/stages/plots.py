@@ -7,9 +7,6 @@ ran (the training summary), the compile plot whether anything compiled (the warm
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import matplotlib
 
 matplotlib.use("Agg")
@@ -17,7 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from dflashpipe.jobs.atomic import atomic_path  # noqa: E402
-from dflashpipe.stages.tables import SIMULATED  # noqa: E402
+from dflashpipe.stages.tables import SIMULATED, read_csv, read_json  # noqa: E402
 
 #: train.loss -> what it trains on, for the loss plot's title
 LOSSES = {"ce": "cross-entropy with the data's tokens", "kl": "KL to the target's distribution",
@@ -36,8 +33,8 @@ def save_png(fig, path: str) -> None:
 def training_curves(training_csv: str, loss_png: str, tokens_png: str, train_summary: str) -> None:
     """Loss (titled with the train.loss that ran) and top-1 accuracy of the global batch vs step (with
     held-out points), and context tokens/s."""
-    df = pd.read_csv(training_csv)
-    loss = json.loads(Path(train_summary).read_text()).get("loss", "?")
+    df = read_csv(training_csv)
+    loss = read_json(train_summary).get("loss", "?")
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
     ax_loss.plot(df["step"], df["loss"], label="train batch", alpha=0.8)
     ax_acc.plot(df["step"], df["acc"], label="train batch", alpha=0.8)
@@ -73,7 +70,7 @@ def training_curves(training_csv: str, loss_png: str, tokens_png: str, train_sum
 
 def compiled_nothing(stamps: list[str]) -> bool:
     """True when no warm job compiled or loaded a graph (no Inductor / AOTAutograd cache event)."""
-    return not any(sum(json.loads(Path(p).read_text())["counters"].values()) for p in stamps)
+    return not any(sum(read_json(p)["counters"].values()) for p in stamps)
 
 
 def compile_times(compile_csv: str, out_png: str, stamps: list[str]) -> None:
@@ -83,7 +80,7 @@ def compile_times(compile_csv: str, out_png: str, stamps: list[str]) -> None:
     if compiled_nothing(stamps):
         _nothing_compiled(stamps, out_png)
         return
-    df = pd.read_csv(compile_csv)
+    df = read_csv(compile_csv)
     fig, ax = plt.subplots(figsize=(7, 4))
     phases = list(dict.fromkeys(df["phase"]))
     width = 0.8 / max(1, len(phases))
@@ -102,7 +99,7 @@ def compile_times(compile_csv: str, out_png: str, stamps: list[str]) -> None:
 
 def _nothing_compiled(stamps: list[str], out_png: str) -> None:
     """A text-only figure: the warm jobs compiled nothing, so there is no compile time to compare."""
-    first = json.loads(Path(stamps[0]).read_text()) if stamps else {}
+    first = read_json(stamps[0]) if stamps else {}
     cfg = first.get("parts", {}).get("config", {})
     lines = [
         f"No warm job compiled or loaded a graph (0 Inductor / AOTAutograd cache hits and misses in {len(stamps)} "
@@ -126,7 +123,7 @@ def tau_speedup(eval_csv: str, out_png: str, method_labels: dict[str, str]) -> N
     ``method_labels``: method name -> legend label, in the order to draw them (the registry's,
     :mod:`dflashpipe.evaluate.methods`, which the workflow passes as the job's params).
     """
-    df = pd.read_csv(eval_csv)
+    df = read_csv(eval_csv)
     methods = [m for m in method_labels if m in set(df["method"])]
     datasets = list(dict.fromkeys(df["dataset"]))
     fig, (ax_tau, ax_sp) = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -173,7 +170,7 @@ def _fmt(v) -> str:
 
 def per_position(positions_csv: str, out_png: str) -> None:
     """Per draft position k: P(position k accepted | positions before it accepted)."""
-    df = pd.read_csv(positions_csv)
+    df = read_csv(positions_csv)
     fig, ax = plt.subplots(figsize=(7, 4))
     for d, g in df.groupby("dataset", sort=False):
         simulated = d == SIMULATED
@@ -191,7 +188,7 @@ def per_position(positions_csv: str, out_png: str) -> None:
 
 def histogram(histogram_csv: str, out_png: str) -> None:
     """Share of verify steps that accepted 0..bs-1 drafted tokens."""
-    df = pd.read_csv(histogram_csv)
+    df = read_csv(histogram_csv)
     datasets = list(dict.fromkeys(df["dataset"]))
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / max(1, len(datasets))

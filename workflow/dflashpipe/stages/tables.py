@@ -33,6 +33,14 @@ def read_json(path: str) -> dict:
         raise damaged_output(path, err) from None
 
 
+def read_csv(path: str) -> pd.DataFrame:
+    """A table (results/tables/, the training metrics), or one line naming it when it is truncated or corrupt."""
+    try:
+        return pd.read_csv(path)
+    except (UnicodeDecodeError, ValueError) as err:  # pandas' EmptyDataError and ParserError are ValueErrors
+        raise damaged_output(path, err) from None
+
+
 def write_csv(df: pd.DataFrame, path: str) -> None:
     with atomic_path(path) as tmp:
         df.to_csv(tmp, index=False)
@@ -83,10 +91,7 @@ SIMULATED = "simulated (training held-out)"
 
 
 def training_table(metrics_csv: str) -> pd.DataFrame:
-    try:
-        return pd.read_csv(metrics_csv)
-    except (UnicodeDecodeError, ValueError) as err:  # pandas' EmptyDataError and ParserError are ValueErrors
-        raise damaged_output(metrics_csv, err) from None
+    return read_csv(metrics_csv)
 
 
 def compile_table(stamps: list[str], train_summary: str) -> pd.DataFrame:
