@@ -309,6 +309,26 @@ def _(f):
     f.damage("results/drafter/model.safetensors", keep=3000)
 
 
+@injects("corrupt-expansion-shard")
+def _(f):
+    f.damage("results/expanded/math/shard0.parquet", keep=500)
+
+
+@injects("corrupt-final-weights")
+def _(f):
+    f.damage("results/train/final.safetensors", keep=3000)
+
+
+@injects("corrupt-train-summary")
+def _(f):
+    f.damage("results/train/summary.json", keep=50)
+
+
+@injects("corrupt-eval-table")
+def _(f):
+    f.damage("results/tables/eval.csv", data=b"")
+
+
 # target: a configured target.path (the mini run's tiny target copied out, then damaged)
 
 
