@@ -31,10 +31,20 @@ def runs_config(runs: dict) -> dict:
     return cfg
 
 
+#: the mini run's data stages (the same config keys as the runs'): two_runs starts from them
+DATA = ("prompts", "target", "expanded", "tokenized", "logs/prompts", "logs/target", "logs/expand", "logs/tokenize")
+
+
 @pytest.fixture(scope="module")
-def two_runs(tmp_path_factory):
-    """ONE workflow of two runs (the same recipe, seeds 0 and 1) on the mini config."""
+def two_runs(mini_run, tmp_path_factory):
+    """ONE workflow of two runs (the same recipe, seeds 0 and 1) on the mini config, in a folder that holds
+    the mini run's data stages and their Snakemake records (nothing of its training or evaluation): the
+    run adds what the runs make. A dry run of the same config in an empty folder is the plan from nothing."""
+    src, _ = mini_run
     work = tmp_path_factory.mktemp("runs")
+    shutil.copytree(src / ".snakemake", work / ".snakemake", symlinks=True)
+    for d in DATA:
+        shutil.copytree(src / "results" / d, work / "results" / d, symlinks=True)
     cfg = write_config(work / "config.yaml", runs_config(RUNS))
     res = snakemake(work, "--cores", "2", "--configfile", str(cfg))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -49,14 +59,19 @@ def runs_copy(two_runs, tmp_path):
     return dst, dst / "config.yaml"
 
 
-def test_two_runs_share_the_data_and_train_a_drafter_each(two_runs):
+def test_two_runs_share_the_data_and_train_a_drafter_each(two_runs, tmp_path):
     """One expansion and one tokenization for both runs; each run has its own training, drafter, evaluation,
     tables and plots under results/runs/<run>; runs that compile the same code share one warm chain."""
-    work, _, out = two_runs
+    work, cfg, out = two_runs
     r = work / "results"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    plan = planned_rules(empty, "--configfile", str(cfg))  # from nothing
+    assert plan["tokenize"] == 1 and plan["expand_shard"] == 2  # math and code, once
+    assert plan["train"] == 2 and plan["warm_slot"] == 2  # one chain: slots 0 and 1
     jobs = re.findall(r"(?m)^(?:local)?rule (\w+):$", out)
-    assert jobs.count("tokenize") == 1 and jobs.count("expand_shard") == 2  # math and code, once
-    assert jobs.count("train") == 2 and jobs.count("warm_slot") == 2  # one chain: slots 0 and 1
+    assert "tokenize" not in jobs and "expand_shard" not in jobs  # the data the folder held, for both runs
+    assert jobs.count("train") == 2 and jobs.count("warm_slot") == 2
     for run in RUNS:
         assert (r / f"runs/{run}/drafter/model.safetensors").is_file()
         assert (r / f"runs/{run}/tables/eval.csv").is_file() and (r / f"runs/{run}/plots/tau_speedup.png").is_file()
