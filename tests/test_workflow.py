@@ -1,12 +1,18 @@
 """Real Snakemake runs (subprocess) of the pipeline on a mini config in a temp dir."""
 
+import concurrent.futures
+import itertools
 import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import datasets
 import pandas as pd
 import pytest
 
-from conftest import CODE_EDIT, mini_config, planned_after_edit, planned_rules, snakemake, write_config
+from conftest import CODE_EDIT, REPO, mini_config, planned_rules, snakemake, snakemake_env, write_config
 
 
 def test_stages_produce_outputs(mini_run):
@@ -41,27 +47,61 @@ def test_rerun_is_a_no_op(mini_run):
     assert planned_rules(work, "--configfile", str(cfg)) == {}
 
 
+CHECKOUT = ("Snakefile", "workflow", "profiles", "envs", "config")
+
+
+def copy_checkout(dst: Path) -> Path:
+    """The workflow's files of this checkout (dates kept) in ``dst``: a checkout of its own to edit."""
+    dst.mkdir(parents=True)
+    for item in CHECKOUT:
+        src = REPO / item
+        (shutil.copytree(src, dst / item, ignore=shutil.ignore_patterns("__pycache__"))
+         if src.is_dir() else shutil.copy2(src, dst / item))
+    return dst
+
+
+def planned_in(checkout: Path, workdir: Path, cfg: Path) -> set[str]:
+    """Rules a dry run of ``checkout``'s Snakefile in ``workdir`` would execute (``planned_rules``' reading)."""
+    res = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(checkout / "Snakefile"), "-d", str(workdir),
+                          "-n", "--quiet", "rules", "--configfile", str(cfg)],
+                         cwd=workdir, env=snakemake_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = (res.stdout + res.stderr).splitlines()
+    if "Job stats:" not in out:
+        return set()
+    rows = out[out.index("Job stats:") + 3:]
+    return set(itertools.takewhile(lambda name: name != "total", (line.split()[0] for line in rows)))
+
+
 def test_code_edit_reruns_exactly_its_stages(mini_run, tmp_path):
     """A change of what a library module means reruns the stages whose scripts import it (transitively), and
-    what follows; so does one of a stage's script. A comment, a docstring or a log message reruns nothing."""
+    what follows; so does one of a stage's script. A comment, a docstring or a log message reruns nothing.
+    (Each edit in a checkout of its own, ``planned_after_edit``'s edit: two dry runs at a time, a core each.)"""
     work, cfg = mini_run
-
-    def planned(module, edit=CODE_EDIT):
-        return planned_after_edit(work, cfg, module, edit)
-
     # what follows training (its output changes) and what follows tokenize (the AR draft peer)
     training = {"warm_slot", "train", "export", "evaluate", "tables", "plots", "all"}
     data = {"tokenize", "ar_draft"} | training
-    assert planned("jobs/hotstart.py") == training
-    assert planned("drafter/loss.py") == training
-    assert planned("inputs/tokenize.py") == data
-    assert planned("stages/expand.py") == {"expand_shard", "merge_expanded"} | data
-    assert planned("decode/slots.py") == {"expand_shard", "merge_expanded"} | data  # the batched backend
-    assert planned("inputs/tiny_target.py") == {"tiny_target", "expand_shard", "merge_expanded"} | data
-    assert planned("inputs/data.py") == {"prompts", "tiny_target", "expand_shard", "merge_expanded"} | data
-    assert planned("../scripts/tokenize.py") == data  # a stage's script: by meaning too
-    assert planned("jobs/errors.py", "\n# a comment\n") == set()
-    assert planned("../scripts/train.py", "\n# a comment\n") == set()  # not dated: digested (profiles/default)
+    expected = [  # (module, edit, the rules planned)
+        ("jobs/hotstart.py", CODE_EDIT, training),
+        ("drafter/loss.py", CODE_EDIT, training),
+        ("inputs/tokenize.py", CODE_EDIT, data),
+        ("stages/expand.py", CODE_EDIT, {"expand_shard", "merge_expanded"} | data),
+        ("decode/slots.py", CODE_EDIT, {"expand_shard", "merge_expanded"} | data),  # the batched backend
+        ("inputs/tiny_target.py", CODE_EDIT, {"tiny_target", "expand_shard", "merge_expanded"} | data),
+        ("inputs/data.py", CODE_EDIT, {"prompts", "tiny_target", "expand_shard", "merge_expanded"} | data),
+        ("../scripts/tokenize.py", CODE_EDIT, data),  # a stage's script: by meaning too
+        ("jobs/errors.py", "\n# a comment\n", set()),
+        ("../scripts/train.py", "\n# a comment\n", set()),  # not dated: digested (profiles/default)
+    ]
+    checkouts = []
+    for i, (module, edit, _) in enumerate(expected):
+        checkout = copy_checkout(tmp_path / f"checkout{i}")
+        path = checkout / "workflow" / "dflashpipe" / module
+        path.write_text(path.read_text() + edit)  # dated now, newer than the outputs
+        checkouts.append(checkout)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        planned = list(pool.map(lambda checkout: planned_in(checkout, work, cfg), checkouts))
+    assert {m: p for (m, _, _), p in zip(expected, planned)} == {m: rules for m, _, rules in expected}
 
 
 def test_config_typo_is_one_line(mini_run):
