@@ -2,12 +2,14 @@ from dflashpipe.jobs.compile_cache import lease_gpu_slot
 from dflashpipe.jobs.memo import Memo
 from dflashpipe.jobs.runtime import job
 from dflashpipe.jobs.settings import expansion_seed, job_config, on_server, settings
-from dflashpipe.stages.expand import ExpandSettings, expand_prompts
+from dflashpipe.stages.expand import ExpandSettings, discard_chunks, expand_prompts
 from dflashpipe.stages.expand_openai import ServerSettings
 
 with job(snakemake.log[0], threads=snakemake.threads, name=f"expand {snakemake.wildcards.dataset} shard {snakemake.wildcards.shard}", outputs=snakemake.output) as log:
     memo = Memo(snakemake)
-    if not memo.restore(log):  # the same inputs (by content), params and code: their outputs
+    if memo.restore(log):  # the same inputs (by content), params and code: their outputs
+        discard_chunks(snakemake.output[0])
+    else:
         p = snakemake.params
         config = job_config(snakemake)
         expand_settings = settings(ExpandSettings, config["expand"], seed=expansion_seed(config))

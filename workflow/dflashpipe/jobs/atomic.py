@@ -3,7 +3,7 @@
 Every file or directory a stage produces is first written under a temporary
 name in the same directory, then renamed into place (rename is atomic on POSIX
 within one filesystem). A killed job leaves at most a ``.tmp-*`` sibling, which
-the next attempt removes. The result gets the permissions any new file or
+the next attempt removes (as it writes the output, or restores it: :mod:`.memo`). The result gets the permissions any new file or
 directory gets under the process's umask (``mkstemp`` alone would leave 0600), set after
 the content is written: a writer that replaces the file it was given (safetensors' ``save_file``)
 or writes files of its own into a directory (``save_pretrained``) cannot leave them 0600.
@@ -12,11 +12,14 @@ or writes files of its own into a directory (``save_pretrained``) cannot leave t
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from dflashpipe.jobs.faults import failpoint
 
 
 def _umask() -> int:
@@ -32,8 +35,21 @@ def _umask() -> int:
     return mask
 
 
+def remove_leftovers(path: str | os.PathLike) -> None:
+    """Remove the temporary siblings of ``path`` that a killed attempt left (``.tmp-<name>.*``). Only one
+    job writes an output at a time (Snakemake's lock), so a sibling left is never in use."""
+    path = Path(path)
+    for stale in path.parent.glob(f".tmp-{glob.escape(path.name)}.*"):
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+
+
 def _tmp_sibling(path: Path) -> Path:
+    """A fresh temporary name beside ``path``; an earlier attempt's are removed first."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(path)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
     os.close(fd)
     return Path(tmp)
@@ -72,6 +88,7 @@ def atomic_path(path: str | os.PathLike, is_dir: bool = False):
         if not is_dir:  # on disk before it is renamed into place: a power loss leaves the old file or the new one
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
+        failpoint("atomic.publish", path=str(path))  # written, not yet in place: the tests' "mid-write"
         if is_dir and path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)

@@ -23,6 +23,7 @@ import shutil
 import time
 from pathlib import Path
 
+from dflashpipe.jobs.atomic import remove_leftovers
 from dflashpipe.jobs.filedigest import file_digest
 
 #: the rules Snakemake runs again because it was told to (comma-separated; ``*``: all): they never restore
@@ -73,6 +74,8 @@ class Memo:
             return False
         for out in self.outputs:
             Path(out).parent.mkdir(parents=True, exist_ok=True)
+            remove_leftovers(out)  # a killed attempt's temporary output (the file's, or its folder's)
+            remove_leftovers(Path(out).parent)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(out)
             os.link(self._kept(out), out)

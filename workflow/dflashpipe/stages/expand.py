@@ -574,9 +574,20 @@ def expand_prompts(
     return summary
 
 
+def chunk_dir(out_path: str) -> Path:
+    """Where a shard's expansion keeps its finished chunks until its output is written (a killed job resumes
+    from them)."""
+    return Path(str(out_path) + ".chunks")
+
+
+def discard_chunks(out_path: str) -> None:
+    """A killed attempt's chunks, of no use once the shard's output is in place (restored by the memo)."""
+    shutil.rmtree(chunk_dir(out_path), ignore_errors=True)
+
+
 def _chunk_dir(out_path: str, identity: dict, log) -> Path:
     """The shard's chunk directory, emptied when its chunks were made with another identity."""
-    work = Path(str(out_path) + ".chunks")
+    work = chunk_dir(out_path)
     settings_file = work / "settings.json"
     if work.exists() and (not settings_file.exists() or json.loads(settings_file.read_text()) != json.loads(json.dumps(identity))):
         log(f"settings changed (generation, decoder or decoding code) since the chunks in {work} were written: discarding them")
