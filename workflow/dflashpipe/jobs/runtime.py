@@ -147,3 +147,8 @@ def job(log_path: str | None, threads: int = 1, name: str = "job", outputs=()):
         if log_path:
             print(f"{line}  [{name}; log: {log_path}]", file=terminal, flush=True)
         raise SystemExit(1) from None
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group: a line, not a traceback
+        with contextlib.suppress(OSError):
+            log(f"{name}: interrupted (SIGINT) after {time.time() - t0:.1f}s; nothing half-written is left in place, "
+                "and the next run starts this job again")
+        raise SystemExit(130) from None
