@@ -8,13 +8,18 @@ where the other keys must equal the point's arguments (e.g. ``"step": 3, "rank":
 * ``kill``: SIGKILL this process (a crashed rank);
 * ``raise``: raise ``OSError(ENOSPC)`` (a full disk).
 
-Points: ``train.step`` (step, rank) at the start of a training step, and
-``train.export`` (rank) before rank 0 publishes the run's outputs.
+A string value may be a glob (``"path": "*/results/expanded/*"``).
+
+Points: ``train.step`` (step, rank) at the start of a training step,
+``train.export`` (rank) before rank 0 publishes the run's outputs, and
+``atomic.publish`` (path) when any output is written in full under its temporary name and not yet
+renamed into place (:mod:`dflashpipe.jobs.atomic`): where a kill "mid-write" lands.
 """
 
 from __future__ import annotations
 
 import errno
+import fnmatch
 import json
 import os
 import signal
@@ -22,12 +27,19 @@ import time
 from pathlib import Path
 
 
+def _matches(want, value) -> bool:
+    """A fault's value against a point's argument: equal, or a string matching a glob (``*/expanded/*``)."""
+    if isinstance(want, str) and isinstance(value, str):
+        return fnmatch.fnmatchcase(value, want)
+    return want == value
+
+
 def failpoint(at: str, **where) -> None:
     spec = os.environ.get("DFLASH_FAULTS")
     if not spec:
         return
     for fault in json.loads(spec):
-        if fault.get("at") != at or any(fault[k] != v for k, v in where.items() if k in fault):
+        if fault.get("at") != at or not all(_matches(fault[k], v) for k, v in where.items() if k in fault):
             continue
         action = fault.get("do")
         if action == "park":

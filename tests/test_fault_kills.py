@@ -1,0 +1,138 @@
+"""A job of each kind killed mid-write, through Snakemake (the fault matrix's ``kill`` group,
+tests/fault_matrix/50-kill.yaml).
+
+On a private copy of the finished mini run, ``snakemake --forcerun RULE TARGET`` runs one job of the kind
+for real (``--forcerun`` computes: the job does not restore its kept outputs); the job parks when its
+output is written in full under its temporary name and not yet renamed into place (the failpoint
+``atomic.publish``), and the test signals Snakemake's whole process group, as a terminal's Ctrl-C
+(SIGINT) or the kernel's OOM killer or a scheduler (SIGKILL) does. Then: no file is at the output's path
+(nothing half-written passes for a result), every other file under results/ is as it was, and the plain
+rerun (after ``snakemake --unlock`` for SIGKILL: Snakemake's lock outlives it) makes the outputs again,
+byte for byte, and leaves no temporary file behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import sha256, snakemake, snakemake_cmd, snakemake_env
+
+# a job kind -> (its rule, the output asked for, the output it parks on: a path under results/)
+KINDS = {
+    "prompts": ("prompts", "prompts/math.parquet", "prompts/math.parquet"),
+    "expansion": ("expand_shard", "expanded/math/shard0.parquet", "expanded/math/shard0.parquet"),
+    "expansion-merge": ("merge_expanded", "expanded/math.parquet", "expanded/math.parquet"),
+    "tokenize": ("tokenize", "tokenized/stats.json", "tokenized/train"),
+    "warm": ("warm_slot", "warm/slot0.json", "warm/slot0.json"),
+    "train": ("train", "train/summary.json", "train/summary.json"),
+    "export": ("export", "drafter/model.safetensors", "drafter"),
+    "evaluate": ("evaluate", "eval/math_heldout.summary.json", "eval/math_heldout.summary.json"),
+    "tables": ("tables", "tables/eval.csv", "tables/eval.csv"),
+    "plots": ("plots", "plots/compile_cold_vs_hot.png", "plots/compile_cold_vs_hot.png"),
+}
+# what every attempt writes anew: its logs and timings, the file-digest cache, the GPU slots' lease files
+SKIPPED = ("logs", "benchmarks", ".cache", "locks")
+
+
+def snapshot(results: Path) -> dict[str, str]:
+    """Every file under results/ by its content (what "nothing lost" compares), logs aside."""
+    return {str(p.relative_to(results)): sha256(p) for p in sorted(results.rglob("*"))
+            if p.is_file() and p.relative_to(results).parts[0] not in SKIPPED}
+
+
+def _temporary(rel: str) -> bool:
+    return any(part.startswith(".tmp-") for part in rel.split("/"))
+
+
+def temporaries(results: Path) -> list[str]:
+    return sorted(str(p.relative_to(results)) for p in results.rglob(".tmp-*"))
+
+
+def park_and_kill(work: Path, cfg: Path, rule: str, target: str, parks_on: str, sig: signal.Signals, marker: Path) -> str:
+    """``snakemake --forcerun RULE TARGET`` until the job parks at its write, then ``sig`` to the whole
+    process group (a terminal's Ctrl-C, the OOM killer, a scheduler); Snakemake's output."""
+    marker.unlink(missing_ok=True)
+    faults = [{"at": "atomic.publish", "do": "park", "path": f"*results/{parks_on}"}]  # relative or not
+    env = snakemake_env(DFLASH_FAULTS=json.dumps(faults), DFLASH_FAULT_MARKER=str(marker))
+    cmd = snakemake_cmd(work, f"results/{target}", "--cores", "2", "--configfile", str(cfg), "--forcerun", rule)
+    proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not marker.exists():
+            proc.kill()
+            pytest.fail(f"the {rule} job never reached its write:\n{proc.communicate()[0][-3000:]}")
+        assert temporaries(work / "results"), "parked before the temporary output was written"
+        os.killpg(proc.pid, sig)
+        return proc.communicate(timeout=120)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # a job Snakemake left behind (it should leave none)
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_job_killed_mid_write_loses_nothing_and_the_rerun_makes_it_again(mini_copy, tmp_path, kind):
+    work, cfg = mini_copy
+    rule, target, parks_on = KINDS[kind]
+    results = work / "results"
+    before = snapshot(results)
+    assert target in before, sorted(before)
+
+    for sig in (signal.SIGINT, signal.SIGKILL):  # the SIGKILL run also shows that SIGINT left no lock behind
+        console = park_and_kill(work, cfg, rule, target, parks_on, sig, tmp_path / "parked.json")
+        if sig == signal.SIGINT:  # what the user sees on Ctrl-C: Snakemake's line, no traceback
+            assert "Terminating processes on user request" in console, console[-3000:]
+            assert "Traceback" not in console, console[-3000:]
+        # nothing half-written at the output's path; every file the job does not write is as it was
+        assert not (results / target).exists(), f"{target} is there after {sig.name}"
+        after = snapshot(results)
+        changed = {k for k in before if after.get(k) != before[k]}
+        assert all(_output_of(rule, k) for k in changed), f"{sig.name}: files not the job's changed: {sorted(changed)}"
+        # new: at most the attempt's temporary output and an expansion's chunks (what a resumed expansion reads)
+        new = {k for k in after if k not in before and not _temporary(k) and ".chunks/" not in k}
+        assert not new, f"{sig.name}: new files {sorted(new)}"
+        if sig == signal.SIGINT:  # Snakemake stops its job, which removes its temporary output
+            assert temporaries(results) == [], "SIGINT left a temporary output"
+
+    if kind == "prompts":  # what the user sees after a SIGKILL: Snakemake's lock outlives it, and says so
+        res = snakemake(work, f"results/{target}", "--cores", "2", "--configfile", str(cfg))
+        assert res.returncode != 0 and "--unlock" in res.stdout + res.stderr, res.stderr[-2000:]
+    res = snakemake(work, "--configfile", str(cfg), "--unlock")
+    assert res.returncode == 0, res.stderr[-2000:]
+    res = snakemake(work, f"results/{target}", "--cores", "2", "--configfile", str(cfg))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    again = snapshot(results)
+    if rule == "warm_slot":  # a cache stamp: written again by every warm job (it is not kept for reuse)
+        assert again.pop(target, None) and before.pop(target)
+    differ = sorted(k for k in again.keys() | before.keys() if again.get(k) != before.get(k))
+    assert not differ, f"not as it was after the rerun: {differ}"
+    assert temporaries(results) == [], "a temporary output of the killed attempt is left"
+
+
+def _output_of(rule: str, rel: str) -> bool:
+    """Whether ``rel`` (under results/) is an output of ``rule``'s job in these tests (what Snakemake deletes
+    before the job starts, or the job itself writes)."""
+    prefixes = {
+        "prompts": ("prompts/math.",),
+        "expand_shard": ("expanded/math/shard0",),
+        "merge_expanded": ("expanded/math.parquet",),
+        "tokenize": ("tokenized/",),
+        "warm_slot": ("warm/slot0",),
+        "train": ("train/",),
+        "export": ("drafter/",),
+        "evaluate": ("eval/math_heldout.",),
+        "tables": ("tables/",),
+        "plots": ("plots/",),
+    }[rule]
+    return rel.startswith(prefixes)
