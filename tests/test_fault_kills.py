@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import sha256, snakemake, snakemake_cmd, snakemake_env
+from conftest import planned_rules, sha256, snakemake, snakemake_cmd, snakemake_env
 
 # a job kind -> (its rule, the output asked for, the output it parks on: a path under results/)
 KINDS = {
@@ -56,13 +56,20 @@ def temporaries(results: Path) -> list[str]:
     return sorted(str(p.relative_to(results)) for p in results.rglob(".tmp-*"))
 
 
-def park_and_kill(work: Path, cfg: Path, rule: str, target: str, parks_on: str, sig: signal.Signals, marker: Path) -> str:
-    """``snakemake --forcerun RULE TARGET`` until the job parks at its write, then ``sig`` to the whole
-    process group (a terminal's Ctrl-C, the OOM killer, a scheduler); Snakemake's output."""
-    marker.unlink(missing_ok=True)
+def park_and_kill(work: Path, cfg: Path, rule: str, target: str, parks_on: str, sig: signal.Signals, marker: Path,
+                  while_parked=None) -> str:
+    """``snakemake --forcerun RULE TARGET`` until the job parks at its write (``while_parked()`` is called
+    then), then ``sig`` to the whole process group (a terminal's Ctrl-C, the OOM killer, a scheduler);
+    Snakemake's output."""
     faults = [{"at": "atomic.publish", "do": "park", "path": f"*results/{parks_on}"}]  # relative or not
-    env = snakemake_env(DFLASH_FAULTS=json.dumps(faults), DFLASH_FAULT_MARKER=str(marker))
     cmd = snakemake_cmd(work, f"results/{target}", "--cores", "2", "--configfile", str(cfg), "--forcerun", rule)
+    return run_parked(work, cmd, faults, sig, marker, rule, while_parked)
+
+
+def run_parked(work: Path, cmd: list[str], faults: list[dict], sig: signal.Signals, marker: Path, what: str,
+               while_parked=None) -> str:
+    marker.unlink(missing_ok=True)
+    env = snakemake_env(DFLASH_FAULTS=json.dumps(faults), DFLASH_FAULT_MARKER=str(marker))
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -71,8 +78,9 @@ def park_and_kill(work: Path, cfg: Path, rule: str, target: str, parks_on: str, 
             time.sleep(0.2)
         if not marker.exists():
             proc.kill()
-            pytest.fail(f"the {rule} job never reached its write:\n{proc.communicate()[0][-3000:]}")
-        assert temporaries(work / "results"), "parked before the temporary output was written"
+            pytest.fail(f"{what} never reached its fault point:\n{proc.communicate()[0][-3000:]}")
+        if while_parked:
+            while_parked()
         os.killpg(proc.pid, sig)
         return proc.communicate(timeout=120)[0]
     finally:
@@ -89,8 +97,14 @@ def test_a_job_killed_mid_write_loses_nothing_and_the_rerun_makes_it_again(mini_
     before = snapshot(results)
     assert target in before, sorted(before)
 
+    def second_invocation():  # a second snakemake in the same folder while the first one runs: refused
+        assert temporaries(results), "parked before the temporary output was written"
+        if kind == "tables":
+            res = snakemake(work, "--cores", "2", "--configfile", str(cfg))
+            assert res.returncode != 0 and "Directory cannot be locked" in res.stdout + res.stderr, res.stderr[-2000:]
+
     for sig in (signal.SIGINT, signal.SIGKILL):  # the SIGKILL run also shows that SIGINT left no lock behind
-        console = park_and_kill(work, cfg, rule, target, parks_on, sig, tmp_path / "parked.json")
+        console = park_and_kill(work, cfg, rule, target, parks_on, sig, tmp_path / "parked.json", second_invocation)
         if sig == signal.SIGINT:  # what the user sees on Ctrl-C: Snakemake's line, no traceback
             assert "Terminating processes on user request" in console, console[-3000:]
             assert "Traceback" not in console, console[-3000:]
@@ -136,3 +150,24 @@ def _output_of(rule: str, rel: str) -> bool:
         "plots": ("plots/",),
     }[rule]
     return rel.startswith(prefixes)
+
+
+def test_a_copied_run_folder_plans_nothing(mini_copy):
+    """``cp -a`` of a finished run's folder (results/ and .snakemake/): Snakemake plans nothing there."""
+    work, cfg = mini_copy
+    assert planned_rules(work, "--configfile", str(cfg)) == {}
+
+
+def test_a_dry_run_interrupted_while_it_plans_writes_nothing_and_leaves_no_lock(mini_copy, tmp_path):
+    work, cfg = mini_copy
+    results = work / "results"
+    before = snapshot(results)
+    stamps = {str(p): p.stat().st_mtime_ns for p in results.rglob("*") if p.is_file()}
+    cmd = snakemake_cmd(work, "-n", "--configfile", str(cfg), "--forceall")
+    console = run_parked(work, cmd, [{"at": "workflow.plan", "do": "park"}], signal.SIGINT, tmp_path / "parked.json",
+                         "the dry run")
+    # Snakemake's own trace: it does not catch a Ctrl-C while it reads the workflow (the row says so)
+    assert console.rstrip().endswith("KeyboardInterrupt"), console[-3000:]
+    assert snapshot(results) == before
+    assert {str(p): p.stat().st_mtime_ns for p in results.rglob("*") if p.is_file()} == stamps
+    assert planned_rules(work, "--configfile", str(cfg)) == {}  # and the next plan finds every output

@@ -14,6 +14,7 @@ sys.path.insert(0, str(REPO / "workflow"))
 from dflashpipe.config import DATASET_NAME, prepare_config, run_gpus
 from dflashpipe.jobs.checkout import pin_code
 from dflashpipe.jobs.errors import UserError
+from dflashpipe.jobs.faults import failpoint
 from dflashpipe.jobs.filedigest import share_cache
 from dflashpipe.jobs.memo import FORCED_ENV, forced_rules
 from dflashpipe.wiring import Pipeline
@@ -43,6 +44,8 @@ except UserError as err:
 
 pipeline = Pipeline(config, repo=REPO)
 paths = pipeline.paths
+# the fault tests' Ctrl-C while Snakemake plans (dflashpipe.jobs.faults)
+failpoint("workflow.plan")
 
 
 wildcard_constraints:

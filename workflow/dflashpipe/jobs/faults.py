@@ -13,7 +13,8 @@ A string value may be a glob (``"path": "*/results/expanded/*"``).
 Points: ``train.step`` (step, rank) at the start of a training step,
 ``train.export`` (rank) before rank 0 publishes the run's outputs, and
 ``atomic.publish`` (path) when any output is written in full under its temporary name and not yet
-renamed into place (:mod:`dflashpipe.jobs.atomic`): where a kill "mid-write" lands.
+renamed into place (:mod:`dflashpipe.jobs.atomic`): where a kill "mid-write" lands; ``workflow.plan`` in
+Snakemake's own process, once the config is checked, before the jobs are planned.
 """
 
 from __future__ import annotations
