@@ -3,6 +3,7 @@ data, through Snakemake. Shared stages run once; a run's stages take a {run} wil
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import json
 import re
@@ -95,24 +96,25 @@ def test_editing_adding_and_removing_runs(runs_copy):
     """An edit of one run's overlay plans that run's stages only; a new run only its own (its compile
     signature's warm chain too when it compiles other code); a removed run plans nothing and deletes nothing.
     A data key is the workflow's: the data is made again once, for every run."""
-    work, cfg = runs_copy
+    work, _ = runs_copy
     edited = copy.deepcopy(RUNS)
     edited["b"]["train"] = {"lr": 0.002}
-    assert planned_rules(work, "--configfile", str(write_config(cfg, runs_config(edited)))) == dict.fromkeys(PER_RUN, 1) | COMPARE | RECORD
-
     added = copy.deepcopy(RUNS) | {"c": {"drafter": {"num_layers": 2}}}
-    plan = planned_rules(work, "--configfile", str(write_config(cfg, runs_config(added))))
-    assert plan == dict.fromkeys(PER_RUN, 1) | {"warm_slot": 2} | COMPARE | RECORD  # a new signature: its own chain
-
-    kept = {f: sha256(f) for f in (work / "results/runs/b").rglob("*.safetensors")}
-    assert planned_rules(work, "--configfile", str(write_config(cfg, runs_config({"a": {}})))) == COMPARE | RECORD
-    assert {f: sha256(f) for f in (work / "results/runs/b").rglob("*.safetensors")} == kept and kept
-
-    # the data is the workflow's: other replies are made and tokenized once, and every run trains on them
-    longer = runs_config(RUNS)
+    longer = runs_config(RUNS)  # the data is the workflow's: other replies are made and tokenized once
     longer["expand"]["max_new_tokens"] += 8
-    plan = planned_rules(work, "--configfile", str(write_config(cfg, longer)))
-    assert plan == DATA_PLAN | {rule: 2 for rule in PER_RUN} | COMPARE | RECORD, plan
+    configs = {"edited": runs_config(edited), "added": runs_config(added), "removed": runs_config({"a": {}}),
+               "longer": longer}
+    kept = {f: sha256(f) for f in (work / "results/runs/b").rglob("*.safetensors")}
+    paths = [write_config(work / f"{name}.yaml", c) for name, c in configs.items()]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # dry runs: two at a time, a core each
+        plans = dict(zip(configs, pool.map(lambda path: planned_rules(work, "--configfile", str(path)), paths)))
+
+    assert plans["edited"] == dict.fromkeys(PER_RUN, 1) | COMPARE | RECORD
+    assert plans["added"] == dict.fromkeys(PER_RUN, 1) | {"warm_slot": 2} | COMPARE | RECORD  # a new signature: its own chain
+    assert plans["removed"] == COMPARE | RECORD
+    assert {f: sha256(f) for f in (work / "results/runs/b").rglob("*.safetensors")} == kept and kept
+    # every run trains on the new data
+    assert plans["longer"] == DATA_PLAN | {rule: 2 for rule in PER_RUN} | COMPARE | RECORD, plans["longer"]
 
 
 def test_a_killed_run_resumes_and_the_other_runs_outputs_stay(runs_copy):
