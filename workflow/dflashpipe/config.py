@@ -409,6 +409,11 @@ def prepare_config(config: dict, source: str, user_files=(), cli_config: dict | 
         mask_id, how = resolve_mask_token(config["target"]["path"], config["drafter"]["mask_token_id"])
         if config["drafter"]["mask_token_id"] is None:
             notes.append(f"drafter.mask_token_id: {mask_id}, {how}")
+    else:  # the tiny target: trained by a job of this workflow, read by its weights' checksum
+        from dflashpipe.inputs.target import check_made_weights
+        from dflashpipe.wiring import Paths
+
+        check_made_weights(Paths(config["results"]).target_model, "the tiny target this workflow trained")
     _check_drafter_fits_target(config, source)
     for name in config["runs"]:
         _check_drafter_fits_target(run_config(config, name), f"{source}: runs.{name}")

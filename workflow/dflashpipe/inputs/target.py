@@ -40,9 +40,9 @@ def check_target_dir(path: str, field: str = "target.path") -> Path:
     return p
 
 
-def _check_safetensors(f: Path, field: str) -> None:
-    """One line unless ``f``'s header reads and its size holds every tensor the header lists (a copy cut short,
-    a download that stopped)."""
+def safetensors_problem(f: Path) -> str | None:
+    """What is wrong with a safetensors file, read from its header and size alone (a copy cut short, a
+    download that stopped): ``"is truncated (...)"``, ``"is not a readable safetensors file (...)"``, or None."""
     import struct
 
     size = f.stat().st_size
@@ -54,10 +54,27 @@ def _check_safetensors(f: Path, field: str) -> None:
             header = json.loads(fh.read(n))
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     except (OSError, ValueError, KeyError, TypeError, struct.error) as err:
-        raise UserError(f"{field}: {f} is not a readable safetensors file ({err}); copy the model again") from None
+        return f"is not a readable safetensors file ({err})"
     if size < 8 + n + end:
-        raise UserError(f"{field}: {f} is truncated ({size} bytes of the {8 + n + end} its header lists); copy the "
-                        "model again")
+        return f"is truncated ({size} bytes of the {8 + n + end} its header lists)"
+    return None
+
+
+def _check_safetensors(f: Path, field: str) -> None:
+    """One line unless ``f``'s header reads and its size holds every tensor the header lists."""
+    problem = safetensors_problem(f)
+    if problem:
+        raise UserError(f"{field}: {f} {problem}; copy the model again")
+
+
+def check_made_weights(folder, what: str) -> None:
+    """A model the workflow made (the tiny target), checked while planning: its safetensors weights damaged
+    after its job finished is one line saying to delete them, before a job that reads them (and Snakemake,
+    which deletes that job's outputs first) starts."""
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        problem = safetensors_problem(f)
+        if problem:
+            raise UserError(f"{f} {problem}: {what} is damaged; delete the file and rerun, snakemake makes it again")
 
 
 def check_target_files(path: str, field: str = "target.path") -> Path:
