@@ -329,6 +329,11 @@ def _(f):
     f.damage("results/tables/eval.csv", data=b"")
 
 
+@injects("corrupt-tiny-target-weights")
+def _(f):
+    f.damage("results/target/model/model.safetensors", keep=5000)
+
+
 # target: a configured target.path (the mini run's tiny target copied out, then damaged)
 
 
