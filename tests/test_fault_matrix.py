@@ -281,57 +281,29 @@ def _(f):
     math["path"] = "chat.jsonl"
 
 
-# corrupt: a file under results/ truncated or damaged (a crash of the machine, a bad copy)
+# corrupt: a file under results/ truncated or damaged (a crash of the machine, a bad copy): the file ->
+# the bytes it is cut to, or what is written over it
+DAMAGED = {
+    "corrupt-prompts-parquet": ("results/prompts/math.parquet", 1000),
+    "corrupt-tokenized-arrow": ("results/tokenized/train/data-00000-of-00001.arrow", 3000),
+    "corrupt-eval-summary": ("results/eval/math_heldout.summary.json", 300),
+    "corrupt-training-metrics": ("results/train/metrics.csv", b""),
+    "corrupt-drafter-weights": ("results/drafter/model.safetensors", 3000),
+    "corrupt-expansion-shard": ("results/expanded/math/shard0.parquet", 500),
+    "corrupt-final-weights": ("results/train/final.safetensors", 3000),
+    "corrupt-train-summary": ("results/train/summary.json", 50),
+    "corrupt-eval-table": ("results/tables/eval.csv", b""),
+    "corrupt-tiny-target-weights": ("results/target/model/model.safetensors", 5000),
+}
 
 
-@injects("corrupt-prompts-parquet")
-def _(f):
-    f.damage("results/prompts/math.parquet", keep=1000)
+def _damages(path: str, cut: int | bytes):
+    """The injector that cuts ``path`` to ``cut`` bytes (an int) or writes ``cut`` over it (bytes)."""
+    return lambda f: f.damage(path, **({"data": cut} if isinstance(cut, bytes) else {"keep": cut}))
 
 
-@injects("corrupt-tokenized-arrow")
-def _(f):
-    f.damage("results/tokenized/train/data-00000-of-00001.arrow", keep=3000)
-
-
-@injects("corrupt-eval-summary")
-def _(f):
-    f.damage("results/eval/math_heldout.summary.json", keep=300)
-
-
-@injects("corrupt-training-metrics")
-def _(f):
-    f.damage("results/train/metrics.csv", data=b"")
-
-
-@injects("corrupt-drafter-weights")
-def _(f):
-    f.damage("results/drafter/model.safetensors", keep=3000)
-
-
-@injects("corrupt-expansion-shard")
-def _(f):
-    f.damage("results/expanded/math/shard0.parquet", keep=500)
-
-
-@injects("corrupt-final-weights")
-def _(f):
-    f.damage("results/train/final.safetensors", keep=3000)
-
-
-@injects("corrupt-train-summary")
-def _(f):
-    f.damage("results/train/summary.json", keep=50)
-
-
-@injects("corrupt-eval-table")
-def _(f):
-    f.damage("results/tables/eval.csv", data=b"")
-
-
-@injects("corrupt-tiny-target-weights")
-def _(f):
-    f.damage("results/target/model/model.safetensors", keep=5000)
+for _case, (_path, _cut) in DAMAGED.items():
+    injects(_case)(_damages(_path, _cut))
 
 
 # target: a configured target.path (the mini run's tiny target copied out, then damaged)
