@@ -38,8 +38,20 @@ def _module_name(path: Path, package_dir: Path) -> str | None:
     return ".".join([PACKAGE, *parts])
 
 
-def _imports(path: Path, package_dir: Path) -> set[str]:
+_IMPORTS: dict[tuple, frozenset[str]] = {}  # a file version's imports: read once per process (Snakemake
+# digests the closure of every script while it plans, and the scripts share most of their modules)
+
+
+def _imports(path: Path, package_dir: Path) -> frozenset[str]:
     """Fully qualified dflashpipe modules imported anywhere in ``path`` (relative imports too)."""
+    st = path.stat()
+    cache_key = (str(path.resolve()), st.st_mtime_ns, st.st_size, str(package_dir.resolve()))
+    if cache_key not in _IMPORTS:
+        _IMPORTS[cache_key] = frozenset(_read_imports(path, package_dir))
+    return _IMPORTS[cache_key]
+
+
+def _read_imports(path: Path, package_dir: Path) -> set[str]:
     found = set()
     this = _module_name(path, package_dir)
     is_pkg = path.name == "__init__.py"
