@@ -1,3 +1,7 @@
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from conftest import REPO
@@ -228,3 +232,47 @@ def test_a_file_anchor_that_reaches_elsewhere_is_a_change(tmp_path):
     moved = _digest(_package(tmp_path / "c", {"sub/__init__.py": "", "sub/m.py": src.replace(".parent", ".parents[1]")}),
                     "sub.m")
     assert a != b and a == moved
+
+
+def _script_digest_in_a_new_process(pkg: Path, script: Path, cache: str) -> str:
+    """script_digest as Snakemake's planning process computes it: a fresh interpreter, the cache in ``cache``."""
+    code = ("import sys; from dflashpipe.jobs.codedeps import script_digest; "
+            "print(script_digest(sys.argv[1], sys.argv[2]))")
+    env = {**os.environ, "DFLASHPIPE_CODE_CACHE": cache, "PYTHONPATH": str(REPO / "workflow")}
+    out = subprocess.run([sys.executable, "-c", code, str(pkg), str(script)], env=env, capture_output=True,
+                         text=True, check=True)
+    return out.stdout.strip()
+
+
+def test_digests_kept_between_processes_follow_every_edit_of_the_package(tmp_path):
+    """The digests Snakemake keeps between plans (``$DFLASHPIPE_CODE_CACHE``) are keyed by the package's bytes:
+    a real change of any imported module gives the digest a cold computation gives, a comment keeps it, and a
+    damaged or unwritable cache costs time, never a wrong digest."""
+    pkg = _package(tmp_path / "p", {"helpers.py": HELPERS, "other.py": PROBLEMS})
+    script = tmp_path / "stage.py"
+    script.write_text("from dflashpipe.helpers import where\n\nwhere()\n")
+    cache = tmp_path / "cache"
+    cold = _script_digest_in_a_new_process(pkg, script, "")  # no cache at all
+    assert _script_digest_in_a_new_process(pkg, script, str(cache)) == cold
+    [kept] = cache.glob("*.json")
+    entries = json.loads(kept.read_text())
+    assert list(entries.values()) == [cold]
+    # a second process takes the kept digest: poisoned, it shows it was read (and what follows must not be)
+    kept.write_text(json.dumps({k: "kept" for k in entries}))
+    assert _script_digest_in_a_new_process(pkg, script, str(cache)) == "kept"
+
+    (pkg / "helpers.py").write_text(HELPERS.replace("getcwd", "getcwdb"))  # an imported module's code
+    changed = _script_digest_in_a_new_process(pkg, script, str(cache))
+    assert changed not in ("kept", cold) and changed == _script_digest_in_a_new_process(pkg, script, "")
+    (pkg / "helpers.py").write_text("# a comment\n" + HELPERS)  # back, with a comment: the first meaning
+    assert _script_digest_in_a_new_process(pkg, script, str(cache)) == cold
+    script.write_text("from dflashpipe.other import UserError\n\nUserError()\n")  # the script's own code
+    assert _script_digest_in_a_new_process(pkg, script, str(cache)) not in ("kept", cold, changed)
+
+    script.write_text("from dflashpipe.helpers import where\n\nwhere()\n")
+    for damaged in cache.glob("*.json"):
+        damaged.write_text("{not json")
+    assert _script_digest_in_a_new_process(pkg, script, str(cache)) == cold
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert _script_digest_in_a_new_process(pkg, script, str(blocked / "cache")) == cold

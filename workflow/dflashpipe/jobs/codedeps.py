@@ -13,6 +13,12 @@ rewritten to match) keeps every digest.
 from __future__ import annotations
 
 import ast
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import uuid
 from pathlib import Path
 
 PACKAGE = "dflashpipe"
@@ -298,8 +304,6 @@ def _means_nothing(tree: ast.Module) -> bool:
 def _layout_free(path: Path, package_dir: Path) -> tuple[str, str | None]:
     """(content key, digest) of one file: the key blanks its package imports, the digest keys them; the
     digest is None for a file that means nothing."""
-    import hashlib
-
     st = path.stat()
     cache_key = (str(path.resolve()), st.st_mtime_ns, st.st_size, str(package_dir.resolve()))
     if cache_key in _LAYOUT_FREE:
@@ -326,14 +330,114 @@ def _layout_free(path: Path, package_dir: Path) -> tuple[str, str | None]:
 
 def meaning_digest(files: list[str], package_dir: str | Path) -> str:
     """A short digest of what ``files`` (dflashpipe modules under ``package_dir``, or scripts importing them)
-    mean, independent of where they sit (see above)."""
-    import hashlib
-
+    mean, independent of where they sit (see above); from the code-digest cache (below) when every file is
+    one of the package's."""
     package_dir = Path(package_dir)
+    try:
+        inside = sorted(Path(f).resolve().relative_to(package_dir.resolve()).as_posix() for f in files)
+    except ValueError:  # a file outside the package: its bytes are not part of the cache's key
+        inside = None
+    if inside is None or not all(f.endswith(".py") for f in inside):  # nor are a non-module's
+        return _meaning_digest(files, package_dir)
+    request = "files " + hashlib.sha256("\n".join(inside).encode()).hexdigest()
+    return _cached(package_dir, request, lambda: _meaning_digest(files, package_dir))
+
+
+def _meaning_digest(files: list[str], package_dir: Path) -> str:
     digests = sorted(d for f in files if (d := _layout_free(Path(f), package_dir)[1]) is not None)
     return hashlib.sha256("\n".join(digests).encode()).hexdigest()[:16]
 
 
 def script_digest(package_dir: str | Path, script: str | Path) -> str:
-    """What a workflow script and the library modules it imports (transitively) mean: a rule's code param."""
-    return meaning_digest([str(script), *script_closure(package_dir, script)], package_dir)
+    """What a workflow script and the library modules it imports (transitively) mean: a rule's code param
+    (from the code-digest cache when this package and script were digested before: see below)."""
+    package_dir, script = Path(package_dir), Path(script)
+    request = "script " + hashlib.sha256(script.read_bytes()).hexdigest()
+    return _cached(package_dir, request,
+                   lambda: _meaning_digest([str(script), *script_closure(package_dir, script)], package_dir))
+
+
+# -- the digests kept between processes ---------------------------------------------------------------------
+#
+# Snakemake digests every script's closure each time it plans (about a second on 2 cores), and a session of
+# reruns, dry runs and tests plans hundreds of times over the same code. A digest is a pure function of the
+# package's files (their paths inside the package and their bytes), the script's bytes, this module's
+# algorithm (it is one of the package's files) and the Python version (ast.dump's format): so it is kept in
+# ``<cache>/<fingerprint of all of that>.json``, and any edit of any library file starts a new file.
+# ``<cache>`` is ``$DFLASHPIPE_CODE_CACHE``, else ``$XDG_CACHE_HOME/dflashpipe/code-digests`` (default
+# ``~/.cache``); an empty ``DFLASHPIPE_CODE_CACHE`` turns it off. Nothing in it is ever needed: an
+# unwritable, deleted or damaged cache costs the time, never a wrong digest (a lost write is recomputed).
+
+CODE_CACHE_ENV = "DFLASHPIPE_CODE_CACHE"
+_KEEP_FILES = 64  # cache files kept (oldest removed first): a few dozen code versions
+
+
+def _cache_folder() -> Path | None:
+    folder = os.environ.get(CODE_CACHE_ENV)
+    if folder is not None:
+        return Path(folder) if folder else None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dflashpipe" / "code-digests"
+
+
+def _cached(package_dir: Path, request: str, compute) -> str:
+    cache = _DigestCache.of(package_dir)
+    digest = cache.get(request)
+    if digest is None:
+        digest = compute()
+        cache.put(request, digest)
+    return digest
+
+
+class _DigestCache:
+    _open: dict[tuple, "_DigestCache"] = {}  # (package, its files' stat signature) -> cache, per process
+
+    def __init__(self, file: Path | None):
+        self.file = file
+        self.entries: dict[str, str] | None = None
+
+    @classmethod
+    def of(cls, package_dir: Path) -> "_DigestCache":
+        files = sorted(package_dir.resolve().rglob("*.py"))
+        signature = (str(package_dir.resolve()),
+                     *((str(f), (st := f.stat()).st_mtime_ns, st.st_size, st.st_ino) for f in files))
+        if signature not in cls._open:
+            folder = _cache_folder()
+            fingerprint = hashlib.sha256(sys.version.encode())
+            for f in files:
+                data = f.read_bytes()
+                fingerprint.update(f"\0{f.relative_to(package_dir.resolve()).as_posix()}\0{len(data)}\0".encode())
+                fingerprint.update(data)
+            name = fingerprint.hexdigest()[:32] + ".json"
+            cls._open[signature] = cls(folder / name if folder else None)
+        return cls._open[signature]
+
+    def _load(self) -> dict[str, str]:
+        if self.entries is None:
+            self.entries = {}
+            if self.file is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    data = json.loads(self.file.read_text())
+                    if isinstance(data, dict):
+                        self.entries = {k: v for k, v in data.items() if isinstance(v, str)}
+        return self.entries
+
+    def get(self, request: str) -> str | None:
+        return self._load().get(request)
+
+    def put(self, request: str, digest: str) -> None:
+        self._load()[request] = digest
+        if self.file is None:
+            return
+        with contextlib.suppress(OSError):
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError, ValueError):  # entries another process wrote meanwhile
+                on_disk = json.loads(self.file.read_text())
+                if isinstance(on_disk, dict):
+                    self.entries = {**{k: v for k, v in on_disk.items() if isinstance(v, str)}, **self.entries}
+            tmp = self.file.with_name(f".{self.file.name}.{uuid.uuid4().hex[:8]}")
+            tmp.write_text(json.dumps(self.entries, indent=0, sort_keys=True))
+            os.replace(tmp, self.file)
+            kept = sorted((p for p in self.file.parent.glob("*.json")), key=lambda p: p.stat().st_mtime)
+            for old in kept[:-_KEEP_FILES]:
+                old.unlink(missing_ok=True)
