@@ -133,3 +133,36 @@ def test_speedup_spread_on_fixed_timings():
     # one prompt: no interval
     one = speedup_spread([(1.0, 10)], [(0.5, 10)])
     assert one["median_per_prompt"] == 2.0 and math.isnan(one["ci_low"]) and math.isnan(one["ci_high"])
+
+
+def test_repeated_decodes_run_in_rotated_rounds_and_each_prompt_counts_its_median_run(monkeypatch):
+    """evaluate.timing_repeats: each prompt's decodes run in r rounds, each round's order rotated on, and each
+    method's result for the prompt is its run of median decode time (fixed timings, no model)."""
+    import torch
+
+    from dflashpipe.decode.speculative import DecodeResult
+    from dflashpipe.evaluate import run as R
+    from dflashpipe.evaluate.settings import EvalSettings
+
+    calls = []
+    times = {"dflash": iter([0.9, 0.2, 0.4, 0.5, 0.3, 0.1]), "ar": iter([1.0, 1.2, 0.8, 1.1, 5.0, 0.9])}
+
+    class Fixed:
+        def __init__(self, name):
+            self.name = name
+
+        def decode(self, prompt, max_new_tokens, seed):
+            calls.append((prompt[0], self.name))
+            return DecodeResult(tokens=[1, 2, 3], decode_s=next(times[self.name]))
+
+    s = EvalSettings(max_new_tokens=3, warmup=False, timing_repeats=3)
+    results, measured = R._decode_all({"dflash": Fixed("dflash"), "ar": Fixed("ar")}, [[10], [11]], s, torch.device("cpu"),
+                                      lambda *_: None)
+    # prompt 0: rounds 0, 1, 2 lead with dflash, ar, dflash; prompt 1 (round 3, 4, 5): ar, dflash, ar
+    assert calls == [(10, "dflash"), (10, "ar"), (10, "ar"), (10, "dflash"), (10, "dflash"), (10, "ar"),
+                     (11, "ar"), (11, "dflash"), (11, "dflash"), (11, "ar"), (11, "ar"), (11, "dflash")]
+    assert [r.decode_s for r in results["dflash"]] == [0.4, 0.3]  # medians of (0.9, 0.2, 0.4), (0.5, 0.3, 0.1)
+    assert [r.decode_s for r in results["ar"]] == [1.0, 1.1]  # the 5.0 s hiccup does not count
+    assert measured["ar"]["timing_repeats"] == measured["dflash"]["timing_repeats"] == 3
+    assert R.timing_repeats(EvalSettings(timing_repeats="auto"), "cuda:0") == 3
+    assert R.timing_repeats(EvalSettings(timing_repeats="auto"), "cpu") == 1

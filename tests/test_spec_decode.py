@@ -308,7 +308,7 @@ def test_evaluate_dataset_writes_samples_and_summary(micro, micro_target, tmp_pa
     train_ar_draft([r["messages"] for r in rows], str(micro_target), str(tmp_path / "ar"), small, log=lambda s: None)
     logs = []
     summary = evaluate_dataset(EvalRun(
-        EvalSettings(max_new_tokens=12, num_prompts=2, prompt_lookup_num_tokens=4),
+        EvalSettings(max_new_tokens=12, num_prompts=2, prompt_lookup_num_tokens=4, timing_repeats=2),
         str(micro_target), str(tmp_path / "drafter"), str(tmp_path / "prompts.parquet"),
         str(tmp_path / "out" / "samples.parquet"), str(tmp_path / "out" / "summary.json"), ar_draft_dir=str(tmp_path / "ar"),
     ), log=logs.append)
@@ -327,6 +327,9 @@ def test_evaluate_dataset_writes_samples_and_summary(micro, micro_target, tmp_pa
     for m, s in summary["methods"].items():
         assert s["tokens_per_target_forward"] >= 1 and s["peak_memory_bytes"] > 0 and s["speedup_vs_ar"] > 0, m
     assert summary["methods"]["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+    # every prompt timed twice per method; one row each, the run of median time
+    assert {s["timing_repeats"] for s in summary["methods"].values()} == {2}
+    assert any("decoded 2 times per method" in line for line in logs)
     with pytest.raises(UserError, match="methods"):
         evaluate_dataset(EvalRun(EvalSettings(methods=["assisted"]), str(micro_target), str(tmp_path / "drafter"),
                                  str(tmp_path / "prompts.parquet"), str(tmp_path / "s2.parquet"), str(tmp_path / "s2.json")))

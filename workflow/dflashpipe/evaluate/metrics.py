@@ -172,6 +172,12 @@ def interleaved_order(methods: Sequence[str], prompt: int) -> list[str]:
     return [*methods[k:], *methods[:k]]
 
 
+def median_run(runs: Sequence, seconds) -> object:
+    """The run of median time ``seconds(run)`` among a prompt's repeated decodes (the lower middle of an even
+    count): one real run, so that its tokens, prefill and decode times belong together."""
+    return sorted(runs, key=seconds)[(len(runs) - 1) // 2]
+
+
 def finite_or_none(x):
     """JSON-friendly: NaN/inf -> None (recursively through lists and dicts)."""
     if isinstance(x, float):

@@ -315,6 +315,14 @@ def _start(methods, harness: Harness, log) -> tuple[dict[str, Runner], dict[str,
     return runners, skipped
 
 
+def timing_repeats(s: EvalSettings, dev) -> int:
+    """How many times each prompt's decode is timed per method (``evaluate.timing_repeats``; auto: 3 on a GPU,
+    where a decode takes milliseconds, 1 on the CPU, where it takes seconds)."""
+    if s.timing_repeats == "auto":
+        return 3 if str(dev).startswith("cuda") else 1
+    return int(s.timing_repeats)
+
+
 def _decode_all(runners: dict[str, Runner], encoded, s: EvalSettings, dev, log) -> tuple[dict[str, list[DecodeResult]], dict[str, dict]]:
     """Every method over every prompt, interleaved: prompt by prompt, each prompt's methods in a rotated order
     (:func:`~.metrics.interleaved_order`), so that the methods compared meet the same conditions (a machine busy
@@ -331,23 +339,34 @@ def _decode_all(runners: dict[str, Runner], encoded, s: EvalSettings, dev, log) 
             runner.decode(encoded[0], s.max_new_tokens, s.seed)
             laps.lap(method)
         log(f"first decodes (untimed: compiling, capturing, allocating): {laps}")
+    repeats = timing_repeats(s, dev)
     load_start = os.getloadavg()
     results = {m: [] for m in runners}
-    wall, peak = dict.fromkeys(runners, 0.0), {}
+    wall, peak, unsteady = dict.fromkeys(runners, 0.0), {}, set()
     bar = tqdm(range(len(encoded)), desc=f"evaluate {len(runners)} methods, interleaved", mininterval=5)
     for i in bar:
-        for method in M.interleaved_order(list(runners), i):
-            _peak_memory_reset(dev)
-            t0 = time.perf_counter()
-            results[method].append(runners[method].decode(encoded[i], s.max_new_tokens, s.seed + i))
-            wall[method] += time.perf_counter() - t0
-            mem = _peak_memory(dev)
-            if method not in peak or mem["peak_memory_bytes"] > peak[method]["peak_memory_bytes"]:
-                peak[method] = mem
+        runs = {m: [] for m in runners}
+        for rnd in range(repeats):
+            for method in M.interleaved_order(list(runners), i * repeats + rnd):
+                _peak_memory_reset(dev)
+                t0 = time.perf_counter()
+                runs[method].append(runners[method].decode(encoded[i], s.max_new_tokens, s.seed + i))
+                wall[method] += time.perf_counter() - t0
+                mem = _peak_memory(dev)
+                if method not in peak or mem["peak_memory_bytes"] > peak[method]["peak_memory_bytes"]:
+                    peak[method] = mem
+        for method, out in runs.items():
+            if any(r.tokens != out[0].tokens for r in out[1:]):
+                unsteady.add(method)
+            results[method].append(M.median_run(out, lambda r: r.decode_s))
         out = results.get("dflash") or next(iter(results.values()))
         bar.set_postfix(tau=f"{M.tau_pooled([x.committed for x in out]):.2f}", refresh=False)
     load_end = os.getloadavg()
-    measured = {m: {**peak[m], "wall_s": wall[m]} for m in runners}
+    measured = {m: {**peak[m], "wall_s": wall[m], "timing_repeats": repeats} for m in runners}
+    if repeats > 1:
+        log(f"each prompt decoded {repeats} times per method; its median time counts"
+            + (f"; {', '.join(sorted(unsteady))} gave other tokens on a repeat (the median run's count)"
+               if unsteady else ""))
     for method, out in results.items():
         log(
             f"{method}: {sum(r.new_tokens for r in out)} tokens, tau {M.tau_pooled([r.committed for r in out]):.3f} (pooled), "

@@ -57,6 +57,7 @@ class EvalSettings:
     lossless: str
     target_step: str
     attention: str
+    timing_repeats: object  # "auto" or a count: see :func:`dflashpipe.evaluate.run.timing_repeats`
     # from other sections of the config: the top-level seed (default: the schema's), and
     # expand.chat_template_kwargs (passed by name; the decorator takes defaults of `evaluate` keys only)
     seed: int
