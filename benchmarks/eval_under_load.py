@@ -59,7 +59,7 @@ def evaluate_once(a, label: str, out_dir: Path) -> dict:
     return {"wall_s": time.time() - t0, "tau_pooled": m["tau_pooled"], "speedup_vs_ar": m["speedup_vs_ar"],
             "median_per_prompt": m["speedup_vs_ar_median_per_prompt"], "ci_low": m["speedup_vs_ar_ci_low"],
             "ci_high": m["speedup_vs_ar_ci_high"], "ar_tok_s": summary["methods"]["ar"]["tokens_per_s"],
-            "load_average": m.get("load_average")}
+            "load_average": m.get("load_average"), "other_busy_cores": m.get("other_busy_cores")}
 
 
 def main(argv=None) -> int:

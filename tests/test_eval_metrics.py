@@ -166,3 +166,27 @@ def test_repeated_decodes_run_in_rotated_rounds_and_each_prompt_counts_its_media
     assert measured["ar"]["timing_repeats"] == measured["dflash"]["timing_repeats"] == 3
     assert R.timing_repeats(EvalSettings(timing_repeats="auto"), "cuda:0") == 3
     assert R.timing_repeats(EvalSettings(timing_repeats="auto"), "cpu") == 1
+
+
+def test_other_busy_cores_on_fixed_readings_and_a_real_busy_process():
+    """The log's busy-machine line: other processes' CPU time over the timed span (not the lagging load average)."""
+    import subprocess
+    import sys
+    import time
+
+    from dflashpipe.evaluate.metrics import other_busy_cores
+    from dflashpipe.evaluate.run import _cpu_reading
+
+    # 10 s of wall time; the machine was busy 14 CPU-seconds, 4 of them this process's own: 1 core of others
+    assert other_busy_cores((100.0, 50.0, 3.0), (110.0, 64.0, 7.0)) == 1.0
+    assert other_busy_cores((100.0, 50.0, 3.0), (110.0, 52.0, 7.0)) == 0.0  # never below 0 (tick rounding)
+    assert other_busy_cores((100.0, 50.0, 3.0), (100.0, 60.0, 3.0)) == 0.0  # no time passed
+    before = _cpu_reading()
+    if before is None:
+        return  # no /proc/stat here: the evaluation falls back to the load average
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
+    spin.wait()
+    assert other_busy_cores(before, _cpu_reading()) > 0.3  # one spinning process: about one core
+    quiet = _cpu_reading()
+    time.sleep(0.2)
+    assert other_busy_cores(quiet, _cpu_reading()) >= 0.0

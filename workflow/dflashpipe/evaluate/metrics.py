@@ -172,6 +172,16 @@ def interleaved_order(methods: Sequence[str], prompt: int) -> list[str]:
     return [*methods[k:], *methods[:k]]
 
 
+def other_busy_cores(start: tuple[float, float, float], end: tuple[float, float, float]) -> float:
+    """Cores other processes kept busy between two readings of (wall seconds, the machine's busy CPU seconds,
+    this process's CPU seconds): what the machine's busy time grew by beyond this process's own, over the wall
+    time (never below 0). Unlike the 1-minute load average it does not lag: it covers exactly the span."""
+    wall = end[0] - start[0]
+    if wall <= 0:
+        return 0.0
+    return max(0.0, ((end[1] - start[1]) - (end[2] - start[2])) / wall)
+
+
 def median_run(runs: Sequence, seconds) -> object:
     """The run of median time ``seconds(run)`` among a prompt's repeated decodes (the lower middle of an even
     count): one real run, so that its tokens, prefill and decode times belong together."""

@@ -315,6 +315,26 @@ def _start(methods, harness: Harness, log) -> tuple[dict[str, Runner], dict[str,
     return runners, skipped
 
 
+#: other processes busy on more than this share of the cores while the decodes are timed: the log says so
+BUSY_CORES_FRACTION = 0.25
+
+
+def _cpu_reading() -> tuple[float, float, float] | None:
+    """(wall seconds, the machine's busy CPU seconds from /proc/stat, this process's CPU seconds); None where
+    there is no /proc/stat."""
+    import os
+
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    own = os.times()
+    return (time.monotonic(), (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK"),
+            own.user + own.system)
+
+
 def timing_repeats(s: EvalSettings, dev) -> int:
     """How many times each prompt's decode is timed per method (``evaluate.timing_repeats``; auto: 3 on a GPU,
     where a decode takes milliseconds, 1 on the CPU, where it takes seconds)."""
@@ -340,7 +360,7 @@ def _decode_all(runners: dict[str, Runner], encoded, s: EvalSettings, dev, log) 
             laps.lap(method)
         log(f"first decodes (untimed: compiling, capturing, allocating): {laps}")
     repeats = timing_repeats(s, dev)
-    load_start = os.getloadavg()
+    load_start, cpu_start = os.getloadavg(), _cpu_reading()
     results = {m: [] for m in runners}
     wall, peak, unsteady = dict.fromkeys(runners, 0.0), {}, set()
     bar = tqdm(range(len(encoded)), desc=f"evaluate {len(runners)} methods, interleaved", mininterval=5)
@@ -361,7 +381,7 @@ def _decode_all(runners: dict[str, Runner], encoded, s: EvalSettings, dev, log) 
             results[method].append(M.median_run(out, lambda r: r.decode_s))
         out = results.get("dflash") or next(iter(results.values()))
         bar.set_postfix(tau=f"{M.tau_pooled([x.committed for x in out]):.2f}", refresh=False)
-    load_end = os.getloadavg()
+    load_end, cpu_end = os.getloadavg(), _cpu_reading()
     measured = {m: {**peak[m], "wall_s": wall[m], "timing_repeats": repeats} for m in runners}
     if repeats > 1:
         log(f"each prompt decoded {repeats} times per method; its median time counts"
@@ -373,11 +393,18 @@ def _decode_all(runners: dict[str, Runner], encoded, s: EvalSettings, dev, log) 
             f"{M.tokens_per_second(sum(r.decode_tokens for r in out), sum(r.decode_s for r in out)):.1f} decode tok/s"
         )
     cores = os.cpu_count() or 1
-    busy = max(load_start[0], load_end[0]) > cores
-    log(f"load average (1 min) {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end, on {cores} cores"
-        + (": the machine was busy, speed-ups are less certain (tau is not affected; see their interval)" if busy else ""))
+    others = None if cpu_start is None or cpu_end is None else M.other_busy_cores(cpu_start, cpu_end)
+    if others is not None:  # measured over the timed decodes exactly
+        busy = others > BUSY_CORES_FRACTION * cores
+        seen = f"other processes kept {others:.2f} of {cores} cores busy while the decodes were timed"
+    else:  # no /proc/stat: the 1-minute load average, which lags
+        busy = max(load_start[0], load_end[0]) > cores
+        seen = f"load average (1 min) {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end, on {cores} cores"
+    log(seen + (": the machine was busy, speed-ups are less certain (tau is not affected; see their interval)"
+                if busy else ""))
     for m in measured:
         measured[m]["load_average"] = {"start": list(load_start), "end": list(load_end), "cores": cores}
+        measured[m]["other_busy_cores"] = others
     return results, measured
 
 
