@@ -27,6 +27,23 @@ def test_messages_rows_are_normalised(tmp_path):
     assert pd.read_parquet(tmp_path / "out.parquet").shape[0] == 2
 
 
+def test_a_rows_category_is_carried_and_a_set_without_one_keeps_its_table(tmp_path):
+    """MT-Bench's layout: a category per row, two user turns with a null assistant turn between them (the
+    target's reply goes there): the prompt keeps both turns, the table a ``category`` column; a set whose rows
+    have no category gets the table it always had (the same bytes: nothing downstream reruns)."""
+    two = [{"role": "user", "content": "Write a poem."}, {"role": "assistant", "content": None},
+           {"role": "user", "content": "Shorter."}]
+    f = write_jsonl(tmp_path / "mt.jsonl", [{"id": "m1", "messages": two, "category": "writing"},
+                                            {"id": "m2", "messages": chat("2+2?")}])
+    df = prepare_prompts({"path": str(f), "messages_column": "messages"}, "mt", str(tmp_path / "mt.parquet"))
+    assert df["prompt"][0] == [dict(two[0]), {"role": "assistant", "content": ""}, dict(two[2])]
+    assert df["category"][0] == "writing" and pd.isna(df["category"][1]) and pd.isna(df["reference"][0])
+    assert pd.read_parquet(tmp_path / "mt.parquet")["category"].fillna("-").tolist() == ["writing", "-"]
+    plain = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "messages": chat("1+1?", "2")}])
+    assert list(prepare_prompts({"path": str(plain), "messages_column": "messages"}, "d", str(tmp_path / "d.parquet")).columns) \
+        == ["id", "prompt", "reference"]
+
+
 def test_prompt_column_mapping_parquet(tmp_path):
     f = tmp_path / "d.parquet"
     pd.DataFrame({"question": ["q1", "q2"], "answer": ["a1", "a2"]}).to_parquet(f)

@@ -12,10 +12,12 @@ into the same table:
     id          str    stable row id (the dataset's own id column, else the row index)
     prompt      list   the conversation up to and including its last user turn
     reference   str    the original last assistant reply, or None
+    category    str    the row's top-level ``category`` field (MT-Bench's 8), only where some row has one
+
 
 The target later regenerates the reply to ``prompt`` ("dataset expansion"). A turn's content may be a
 list of content parts (their text parts, joined by newlines); a null content is empty text in an
-assistant turn (one that only calls tools). A row that gives no prompt (a line that is not JSON, a
+assistant turn (one that only calls tools, or one the target fills in: between MT-Bench's two turns). A row that gives no prompt (a line that is not JSON, a
 missing column, an unknown role, a null or non-text content, no turns, no user turn, a repeated id:
 :data:`BAD_ROWS`) is skipped and counted by reason, with the first few located as ``file:line``
 (1-based) and the row's id, in the prompts stage's stats file and log; past ``data.max_bad_rows``
@@ -42,6 +44,9 @@ LOCAL_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 #: prompts job's log and ``python -m dflashpipe.config``); past ``data.max_bad_rows`` the job stops
 BAD_ROWS = ("malformed_json", "truncated_line", "not_an_object", "missing_column", "not_a_chat", "unknown_role",
             "null_content", "non_text_content", "empty_conversation", "no_user_turn", "duplicate_id")
+#: a row's group within its set (MT-Bench's 8 categories): carried into the prompts table where present, and
+#: the evaluation reports per category
+CATEGORY = "category"
 #: the bad rows a stats file and a log line locate (the first met, in file order)
 FIRST_BAD = 5
 #: the roles an OpenAI-format turn may have
@@ -315,8 +320,15 @@ def normalize(rows: list[tuple[str, dict | SkippedRow]], spec: dict, name: str,
             continue
         seen.add(rid)
         user_turns += sum(t["role"] == "user" for t in prompt)
-        kept.append({"id": rid, "prompt": prompt, "reference": reference})
-    df = pd.DataFrame(kept, columns=["id", "prompt", "reference"])
+        category = row.get(CATEGORY) if isinstance(row, dict) else None
+        if isinstance(category, float) and category != category:  # a table's missing value (NaN)
+            category = None
+        kept.append({"id": rid, "prompt": prompt, "reference": reference,
+                     CATEGORY: None if category is None else str(category)})
+    columns = ["id", "prompt", "reference"]
+    if any(r[CATEGORY] is not None for r in kept):  # a set without categories keeps the table it had
+        columns.append(CATEGORY)
+    df = pd.DataFrame(kept, columns=columns)
     total = sum(bad.values())
     counts = ", ".join(f"{why} {n}" for why, n in bad.items() if n)
     stats = {"rows_read": read, "prompts": len(df), "user_turns": user_turns,
