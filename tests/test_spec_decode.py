@@ -315,12 +315,14 @@ def test_evaluate_dataset_writes_samples_and_summary(micro, micro_target, tmp_pa
     df = pd.read_parquet(tmp_path / "out" / "samples.parquet")
     assert sorted(df["method"].unique()) == ["ar", "assisted", "dflash", "hf_generate", "prompt_lookup"]
     assert len(df) == 10 and df["id"].nunique() == 2
+    assert set(df["turn"]) == {1} and "category" not in df.columns  # a single-turn set: one turn, no groups
     for col in ("new_tokens", "decode_s", "tokens_per_s", "tau", "tau_uncut", "steps", "accept_lengths", "target_forwards"):
         assert col in df.columns
     assert df["matches_ar"].all()
     on_disk = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(summary))
     assert summary["lossless"]["passed"] and summary["lossless"]["exact_matches"] == 2
+    assert not {"turns", "categories", "n_samples", "skipped_turns"} & set(summary)
     dfl = summary["methods"]["dflash"]
     assert dfl["tau_mean"] >= 1 and dfl["tau_uncut_pooled"] >= dfl["tau_pooled"]
     assert sum(dfl["acceptance_histogram"]) == dfl["target_forwards"] and len(dfl["per_position_acceptance"]) == BS - 1
@@ -335,6 +337,79 @@ def test_evaluate_dataset_writes_samples_and_summary(micro, micro_target, tmp_pa
     with pytest.raises(UserError, match="methods"):
         evaluate_dataset(EvalRun(EvalSettings(methods=["assisted"]), str(micro_target), str(tmp_path / "drafter"),
                                  str(tmp_path / "prompts.parquet"), str(tmp_path / "s2.parquet"), str(tmp_path / "s2.json")))
+
+
+def test_evaluate_decodes_every_user_turn_after_ar_s_own_reply(micro, micro_target, tmp_path):
+    """MT-Bench's layout (user, an assistant turn the target fills in, user; a category) through the prompts stage
+    and evaluate_dataset: each turn is one sample row per method, turn 2's context holds AR's turn-1 reply, the
+    lossless check compares both turns, and the summary reports per turn and per category."""
+    from dflashpipe.evaluate.run import encode_prompt, evaluate_dataset, reply_text
+    from dflashpipe.evaluate.settings import EvalRun, EvalSettings
+    from dflashpipe.inputs.data import prepare_prompts
+
+    target, tok, drafter, cfg = micro
+    save_drafter(drafter, cfg, tmp_path / "drafter", target.config)
+    asks = [(PROMPTS["p-add"], "Now add 5 to that.", "math"), (PROMPTS["p-short"], "Say it again.", "writing"),
+            ("What is 3 + 4?", "And 30 + 40?", "math")]
+    rows = [{"id": f"q{k}", "messages": [{"role": "user", "content": t1}, {"role": "assistant", "content": None},
+                                          {"role": "user", "content": t2}], "category": cat}
+            for k, (t1, t2, cat) in enumerate(asks)]
+    (tmp_path / "mt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    df = prepare_prompts({"path": str(tmp_path / "mt.jsonl"), "messages_column": "messages"}, "mt",
+                         str(tmp_path / "prompts.parquet"))
+    assert list(df["category"]) == ["math", "writing", "math"] and df["prompt"].map(len).tolist() == [3, 3, 3]
+    out = tmp_path / "out"
+    logs = []
+    summary = evaluate_dataset(EvalRun(EvalSettings(max_new_tokens=12, num_prompts=3, methods=["dflash", "ar"]),
+                                       str(micro_target), str(tmp_path / "drafter"), str(tmp_path / "prompts.parquet"),
+                                       str(out / "s.parquet"), str(out / "s.json")), log=logs.append)
+    samples = pd.read_parquet(out / "s.parquet")
+    assert len(samples) == 2 * 3 * 2 and set(samples["method"]) == {"dflash", "ar"}
+    ar = samples[samples["method"] == "ar"]
+    assert ar[["id", "turn", "category"]].values.tolist() == [
+        ["q0", 1, "math"], ["q0", 2, "math"], ["q1", 1, "writing"], ["q1", 2, "writing"], ["q2", 1, "math"], ["q2", 2, "math"]]
+    eos = eos_ids_of(tok, target)
+    for k, (t1, t2, _) in enumerate(asks):  # turn 2 was decoded from turn 1, AR's own reply, turn 2
+        first = ar[(ar["id"] == f"q{k}") & (ar["turn"] == 1)].iloc[0]
+        context = [{"role": "user", "content": t1}, {"role": "assistant", "content": reply_text(tok, list(first["output_ids"]), eos)},
+                   {"role": "user", "content": t2}]
+        second = samples[(samples["id"] == f"q{k}") & (samples["turn"] == 2)]
+        assert (second["prompt_tokens"] == len(encode_prompt(tok, context))).all()
+        assert first["prompt_tokens"] == len(encode_prompt(tok, context[:1]))
+    assert samples["matches_ar"].all()
+    lossless = summary["lossless"]
+    assert lossless["passed"] and lossless["n_prompts"] == 6 and lossless["exact_matches_per_turn"] == {"1": 3, "2": 3}
+    dfl = summary["methods"]["dflash"]
+    assert summary["n_prompts"] == dfl["n_prompts"] == 3 and dfl["n_samples"] == summary["n_samples"] == 6
+    assert summary["skipped_turns"] == {}
+    assert set(summary["turns"]) == {"1", "2"} and set(summary["categories"]) == {"math", "writing"}
+    for groups, n in ((summary["turns"], {"1": 3, "2": 3}), (summary["categories"], {"math": 4, "writing": 2})):
+        for g, per in groups.items():
+            assert set(per) == {"dflash", "ar"} and per["dflash"]["n_samples"] == n[g], g
+            assert per["dflash"]["tau_pooled"] >= 1 and per["dflash"]["speedup_vs_ar"] > 0
+            assert per["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert summary["categories"]["math"]["dflash"]["n_prompts"] == 2
+    # the turns' figures pool into the set's: decode tokens over decode time, turn by turn
+    t1, t2 = summary["turns"]["1"]["dflash"], summary["turns"]["2"]["dflash"]
+    assert min(t1["tau_pooled"], t2["tau_pooled"]) <= dfl["tau_pooled"] <= max(t1["tau_pooled"], t2["tau_pooled"])
+    assert any("6 user turns" in line for line in logs)
+    # evaluate.turns: first: the first turns only, as a single-turn set (no per-turn entries)
+    first_only = evaluate_dataset(EvalRun(EvalSettings(max_new_tokens=12, num_prompts=3, methods=["dflash", "ar"], turns="first"),
+                                          str(micro_target), str(tmp_path / "drafter"), str(tmp_path / "prompts.parquet"),
+                                          str(out / "f.parquet"), str(out / "f.json")))
+    assert "turns" not in first_only and set(first_only["categories"]) == {"math", "writing"}
+    f = pd.read_parquet(out / "f.parquet")
+    assert set(f["turn"]) == {1} and len(f) == 6
+    assert (f.set_index(["id", "method"])["output_ids"].map(list).sort_index()
+            == samples[samples["turn"] == 1].set_index(["id", "method"])["output_ids"].map(list).sort_index()).all()
+    # a later turn that does not fit the target's context (4096) is left out and counted; its first turn counts
+    long = [{"role": "user", "content": PROMPTS["p-add"]}, {"role": "assistant", "content": ""},
+            {"role": "user", "content": "seven " * 5000}]
+    pd.DataFrame({"id": ["long"], "prompt": [long], "reference": [None]}).to_parquet(tmp_path / "long.parquet")
+    cut = evaluate_dataset(EvalRun(EvalSettings(max_new_tokens=12, methods=["dflash", "ar"]), str(micro_target),
+                                   str(tmp_path / "drafter"), str(tmp_path / "long.parquet"), str(out / "l.parquet"),
+                                   str(out / "l.json")))
+    assert cut["skipped_turns"] == {"skipped_prompt_too_long": 1} and set(cut["turns"]) == {"1"} and cut["n_samples"] == 1
 
 
 def test_evaluate_skips_unusable_prompts_and_keeps_a_failed_check(micro, micro_target, tmp_path, monkeypatch):

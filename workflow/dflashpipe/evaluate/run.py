@@ -4,6 +4,11 @@ The methods are the entries of :mod:`.methods` (all batch size 1, on the same ta
 decoding settings); ``ar``, plain autoregressive decoding in this harness, always runs: it is the
 speed-up denominator and the lossless check's reference.
 
+A multi-turn prompt (MT-Bench: two user turns) is decoded turn by turn (``evaluate.turns: all``): turn
+k+1's context holds the target's own reply to turn k (AR's output: the reference, which lossless DFlash
+equals), every method decoding each turn from that same context; each (prompt, turn) is one sample, the
+summary adds per-turn figures and, where the prompts carry a category, per-category ones.
+
 The methods run interleaved: prompt by prompt, each prompt's methods in an order
 rotated by the prompt's index, so that a machine busy for a while slows every
 method alike; each speed-up carries the median of its prompts' own speed-ups and
@@ -24,6 +29,7 @@ import math
 import resource
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -31,6 +37,7 @@ import torch
 
 from dflashpipe.decode.cuda_graph import round_capacity
 from dflashpipe.decode.speculative import ARDecoder, DecodeResult, DFlashDecoder, drafter_runner, eos_ids_of, target_runner
+from dflashpipe.inputs.data import CATEGORY
 from dflashpipe.jobs.atomic import atomic_path, write_json
 from dflashpipe.jobs.errors import UserError
 from dflashpipe.jobs.runtime import Laps
@@ -168,21 +175,33 @@ def _evaluate(run: EvalRun, dev: torch.device, log) -> dict:
     s = run.settings
     methods = _checked_methods(run, dev)
     laps = Laps()
-    h, (ids, encoded, skipped), capacity = _harness(run, dev, laps, log)
+    h, (prompts, skipped), capacity = _harness(run, dev, laps, log)
     runners, skipped_methods = _start(methods, h, log)
     laps.lap("methods")
     log(f"set up in {sum(laps.seconds.values()):.1f} s ({laps}); each method's first decode (compiling, capturing) follows")
+    multi = any(p.turns > 1 for p in prompts)
     log(
-        f"evaluate: {len(ids)} prompts, max_new_tokens {s.max_new_tokens}, temperature {s.temperature}, block size "
+        f"evaluate: {len(prompts)} prompts"
+        + (f" ({sum(p.turns for p in prompts)} user turns, each decoded after the target's reply to the one before)"
+           if multi else "")
+        + f", max_new_tokens {s.max_new_tokens}, temperature {s.temperature}, block size "
         f"{h.drafter_cfg.block_size}, methods {list(runners)}, device {dev}, dtype {str(h.dtype).removeprefix('torch.')}"
     )
     log(f"target step: {h.dflash.target.mode}, drafter step: {h.dflash.draft.mode} (evaluate.target_step: {s.target_step})")
-    results, measured = _decode_all(runners, encoded, s, dev, log)
+    skipped_turns, later = Counter(), []
+    more = _next_context(h, prompts, capacity, skipped_turns, later) if multi else None
+    results, measured = _decode_all(runners, [p.encoded for p in prompts], s, dev, log, more)
+    # what was decoded, in the order it was (prompt, then turn): (prompt index, turn, encoding)
+    units = sorted([(i, 1, p.encoded) for i, p in enumerate(prompts)] + later, key=lambda u: u[:2])
+    if skipped_turns:
+        log(f"later turns not decoded: {dict(skipped_turns)}")
 
     ar, dcfg = results[REFERENCE], h.drafter_cfg
-    rows = [_row(pid, m, results[m][i], ar[i], h.tokenizer) for m in runners for i, pid in enumerate(ids)]
+    rows = [{**_row(prompts[i].id, m, results[m][u], ar[u], h.tokenizer), "turn": turn,
+             **({CATEGORY: prompts[i].category} if _has_categories(prompts) else {})}
+            for m in runners for u, (i, turn, _) in enumerate(units)]
     summary = {
-        **_summary_head(run, h, len(ids), skipped, capacity),
+        **_summary_head(run, h, len(prompts), skipped, capacity),
         "methods": {
             m: _summarise(m, results[m], ar, dcfg.block_size, {**runners[m].summary, **measured[m]}, dcfg.num_drafts + 1)
             for m in runners
@@ -190,8 +209,59 @@ def _evaluate(run: EvalRun, dev: torch.device, log) -> dict:
         # listed in evaluate.methods but not run, with the reason (e.g. hf_dflash on an older transformers)
         "skipped_methods": skipped_methods,
     }
-    summary["lossless"], failure = _lossless(s, ids, encoded, results, h.target, h.dtype, log)
+    if multi:  # the pooled figures are over every decoded (prompt, turn); n_prompts counts the prompts
+        for m in runners:
+            summary["methods"][m].update(n_prompts=len(prompts), n_samples=len(units))
+        summary.update(_turn_summary(units, results, skipped_turns))
+    if _has_categories(prompts):
+        summary["categories"] = _groups([prompts[i].category for i, _, _ in units], results, [i for i, _, _ in units])
+    labels = [prompts[i].id if not multi else f"{prompts[i].id} turn {turn}" for i, turn, _ in units]
+    summary["lossless"], failure = _lossless(s, labels, [e for _, _, e in units], results, h.target, h.dtype, log)
+    if multi and summary["lossless"].get("checked"):
+        summary["lossless"]["exact_matches_per_turn"] = {
+            str(t): sum(d.tokens == a.tokens for (_, turn, _), d, a in zip(units, results["dflash"], ar) if turn == t)
+            for t in sorted({turn for _, turn, _ in units})}
     return _write(rows, summary, run.samples_out, run.summary_out, failure, keep_failed=s.lossless != "report")
+
+
+def _has_categories(prompts: list[EvalPrompt]) -> bool:
+    return any(p.category is not None for p in prompts)
+
+
+def _group_figures(results: list[DecodeResult], ar: list[DecodeResult], n_prompts: int) -> dict:
+    """One group's figures for one method: tau, decode tokens/s, the speed-up over AR pooled, with the median of
+    its samples' own and the pooled one's 95% bootstrap interval (:func:`~.metrics.speedup_spread`)."""
+    dec_tokens, dec_s = sum(r.decode_tokens for r in results), sum(r.decode_s for r in results)
+    spread = M.speedup_spread([(a.decode_s, a.decode_tokens) for a in ar], [(r.decode_s, r.decode_tokens) for r in results])
+    return M.finite_or_none({
+        "n_samples": len(results),
+        "n_prompts": n_prompts,
+        "tau_mean": M.tau_mean([r.committed for r in results]),
+        "tau_pooled": M.tau_pooled([r.committed for r in results]),
+        "tokens_per_s": M.tokens_per_second(dec_tokens, dec_s),
+        "speedup_vs_ar": M.speedup(sum(a.decode_s for a in ar), sum(a.decode_tokens for a in ar), dec_s, dec_tokens),
+        **{f"speedup_vs_ar_{k}": v for k, v in spread.items()},
+        "matches_ar": sum(r.tokens == a.tokens for r, a in zip(results, ar)) / max(1, len(results)),
+    })
+
+
+def _groups(keys: list, results: dict[str, list[DecodeResult]], prompts_of=None) -> dict:
+    """Per group (``keys``: each decoded sample's group, in the results' order; groups in order of first
+    appearance), each method's :func:`_group_figures`. ``prompts_of``: each sample's prompt (to count them)."""
+    ar, out = results[REFERENCE], {}
+    for key in dict.fromkeys(k for k in keys if k is not None):
+        idx = [u for u, k in enumerate(keys) if k == key]
+        n_prompts = len({prompts_of[u] for u in idx}) if prompts_of else len(idx)
+        out[str(key)] = {m: _group_figures([res[u] for u in idx], [ar[u] for u in idx], n_prompts)
+                         for m, res in results.items()}
+    return out
+
+
+def _turn_summary(units, results: dict[str, list[DecodeResult]], skipped_turns: Counter) -> dict:
+    """A multi-turn set's entries: its figures per user turn (``turns``: ``"1"``, ``"2"``, ...: per method), how
+    many (prompt, turn) samples were decoded, and the later turns left out (``skipped_turns``, by reason)."""
+    return {"n_samples": len(units), "skipped_turns": dict(skipped_turns),
+            "turns": _groups([turn for _, turn, _ in units], results, [i for i, _, _ in units])}
 
 
 def _checked_methods(run: EvalRun, dev: torch.device) -> list:
@@ -211,7 +281,7 @@ def _checked_methods(run: EvalRun, dev: torch.device) -> list:
 
 def _harness(run: EvalRun, dev: torch.device, laps: Laps, log) -> tuple[Harness, tuple, int]:
     """The loaded target and drafter, the prompts, and the same-harness DFlash and AR decoders; with
-    the prompts read (ids, encodings, skipped) and the static KV cache's capacity."""
+    the prompts read (:func:`eval_prompts`: the prompts, skipped) and the static KV cache's capacity."""
     from dflashpipe.export.write import load_drafter
     from dflashpipe.inputs.target import load_target
 
@@ -224,12 +294,12 @@ def _harness(run: EvalRun, dev: torch.device, laps: Laps, log) -> tuple[Harness,
     eos = eos_ids_of(tok, target)
     if not eos:
         raise UserError(f"{run.target_dir}: neither the tokenizer nor the generation config names an eos token")
-    prompts = read_eval_prompts(run.prompts_parquet, tok, target, dcfg.block_size, s, log)
+    prompts = eval_prompts(run.prompts_parquet, tok, target, dcfg.block_size, s, log)
     laps.lap("prompts")
 
-    # the static step needs its cache's size up front: the longest prompt, the reply and one verify block,
-    # rounded up to EVAL_CAPACITY_STEP positions (see there)
-    need = max(len(e) for e in prompts[1]) + s.max_new_tokens + 2 * dcfg.block_size
+    # the static step needs its cache's size up front: the longest prompt (a multi-turn one: with the target's
+    # replies, EvalPrompt.bound), the reply and one verify block, rounded up to EVAL_CAPACITY_STEP positions (see there)
+    need = max(p.bound for p in prompts[0]) + s.max_new_tokens + 2 * dcfg.block_size
     capacity = round_capacity(need, EVAL_CAPACITY_STEP)
     verify = target_runner(target, s.target_step, dcfg.target_layer_ids, capacity, graph_sizes=(dcfg.num_drafts + 1,),
                            attention=s.attention)
@@ -275,24 +345,64 @@ def _summary_head(run: EvalRun, h: Harness, n_prompts: int, skipped: Counter, ca
     }
 
 
-def read_eval_prompts(prompts_parquet, tok, target, block_size: int, s: EvalSettings, log) -> tuple[list[str], list[list[int]], Counter]:
-    """The first ``s.num_prompts`` usable prompts: their ids, their encodings, and why the others were skipped."""
-    from dflashpipe.inputs.data import read_prompts, screen_prompt, target_context
+@dataclass
+class EvalPrompt:
+    """One prompt of an evaluation and the user turns it decodes, in order (``evaluate.turns``).
+
+    ``chat``: the row's turns; ``points``: the indices in ``chat`` of the user turns decoded (the expansion's
+    :func:`~dflashpipe.stages.expand.turn_plan`: a single-turn row has one); ``context``: the turns up to the
+    one decoded now (the first, then each earlier user turn followed by the target's own reply to it);
+    ``encoded``: the first turn's context under the chat template; ``bound``: at most how many tokens any of
+    its turns' contexts can take (the static KV cache is sized for it)."""
+
+    id: str
+    chat: list[dict]
+    points: list[int]
+    context: list[dict]
+    encoded: list[int]
+    category: str | None = None
+    bound: int = 0
+
+    @property
+    def turns(self) -> int:
+        return len(self.points)
+
+
+def eval_prompts(prompts_parquet, tok, target, block_size: int, s: EvalSettings, log) -> tuple[list[EvalPrompt], Counter]:
+    """The first ``s.num_prompts`` usable prompts (:class:`EvalPrompt`), and why the others were skipped.
+
+    A row's user turns are those the expansion answers (:func:`~dflashpipe.stages.expand.turn_plan`): a
+    multi-turn row (MT-Bench: two user turns with the target's reply between them) decodes every one in order
+    (``evaluate.turns: all``) or its first only (``first``); a prompt is usable when its first turn is."""
+    from dflashpipe.inputs.data import CATEGORY, read_prompts, screen_prompt, target_context
+    from dflashpipe.stages.expand import _next_turns, turn_plan
 
     df = read_prompts(prompts_parquet)
     # every method must decode max_new_tokens (plus one verify block) within the target's context
     context, reserve = target_context(target), s.max_new_tokens + block_size
-    keep, encoded, skipped = [], [], Counter()
-    for i, turns in enumerate(df["prompt"]):
+    categories = df[CATEGORY] if CATEGORY in df.columns else None
+    keep, skipped = [], Counter()
+    for i, chat in enumerate(df["prompt"]):
         if s.num_prompts is not None and len(keep) >= int(s.num_prompts):
             break
-        ids_ = encode_prompt(tok, turns, s.chat_template_kwargs, f"{prompts_parquet} row id {df['id'].iloc[i]!r}")
-        reason = screen_prompt(turns, len(ids_), context, reserve)
+        points = turn_plan(chat, "all")[0]
+        points = points[:1] if s.turns == "first" else points
+        first = _next_turns(chat, points, 0)
+        where = f"{prompts_parquet} row id {df['id'].iloc[i]!r}"
+        ids_ = encode_prompt(tok, first, s.chat_template_kwargs, where)
+        reason = screen_prompt(first, len(ids_), context, reserve)
         if reason:
             skipped[reason] += 1
-        else:
-            keep.append(i)
-            encoded.append(ids_)
+            continue
+        bound = len(ids_)
+        if len(points) > 1:  # the whole chat, its replies empty, and room for the target's own replies
+            whole = [dict(t, content="") if t["role"] == "assistant" else t for t in chat[: points[-1] + 1]]
+            bound = len(encode_prompt(tok, whole, s.chat_template_kwargs, where)) + (len(points) - 1) * REPLY_ROOM * s.max_new_tokens
+            if context:
+                bound = min(bound, context - reserve)
+        category = categories.iloc[i] if categories is not None else None
+        keep.append(EvalPrompt(str(df["id"].iloc[i]), chat, points, first, ids_,
+                               None if category is None or pd.isna(category) else str(category), bound))
     if skipped:
         log(f"skipped prompts: {dict(skipped)} (context {context}, {reserve} tokens reserved after the prompt)")
     if not keep:
@@ -300,7 +410,60 @@ def read_eval_prompts(prompts_parquet, tok, target, block_size: int, s: EvalSett
             f"{prompts_parquet}: no prompt to evaluate ({len(df)} rows; skipped {dict(skipped)}): prompts must be "
             f"non-empty and fit the target's context ({context}) with evaluate.max_new_tokens + block size ({reserve})"
         )
-    return [str(df["id"].iloc[i]) for i in keep], encoded, skipped
+    return keep, skipped
+
+
+#: the KV cache of a multi-turn prompt keeps this many times ``max_new_tokens`` for each earlier reply of the
+#: target: the reply's text, encoded again in the next turn's context, may take other (rarely more) tokens
+REPLY_ROOM = 2
+
+
+def read_eval_prompts(prompts_parquet, tok, target, block_size: int, s: EvalSettings, log) -> tuple[list[str], list[list[int]], Counter]:
+    """The first ``s.num_prompts`` usable prompts: their ids, their first turn's encodings (:func:`eval_prompts`),
+    and why the others were skipped."""
+    prompts, skipped = eval_prompts(prompts_parquet, tok, target, block_size, s, log)
+    return [p.id for p in prompts], [p.encoded for p in prompts], skipped
+
+
+def reply_text(tokenizer, tokens: list[int], eos: list[int]) -> str:
+    """A reply as the next turn's context holds it: its text up to the stop token, special tokens left out (as
+    the expansion writes a reply)."""
+    stop = next((k for k, t in enumerate(tokens) if t in set(eos)), len(tokens))
+    return tokenizer.decode(tokens[:stop], skip_special_tokens=True)
+
+
+def _next_context(h: Harness, prompts: list[EvalPrompt], capacity: int, skipped_turns: Counter, decoded: list):
+    """``more`` of :func:`_decode_all`: prompt ``i``'s next user turn after the reference's reply to turn ``turn``
+    (its context: the turns so far, that reply, the next user turn), encoded; None after its last turn, or when
+    the context does not fit (counted in ``skipped_turns`` for that turn and any after it). ``decoded`` gets
+    ``(prompt index, turn, encoding)`` of each turn it hands on."""
+    from dflashpipe.inputs.data import screen_prompt, target_context
+    from dflashpipe.stages.expand import _next_turns
+
+    s = h.settings
+    reserve = s.max_new_tokens + h.drafter_cfg.block_size
+
+    def more(i: int, turn: int, ar: DecodeResult):
+        p = prompts[i]
+        if turn >= p.turns:
+            return None
+        p.context = p.context + [{"role": "assistant", "content": reply_text(h.tokenizer, ar.tokens, h.eos)}] \
+            + _next_turns(p.chat, p.points, turn)
+        ids_ = encode_prompt(h.tokenizer, p.context, s.chat_template_kwargs, f"prompt id {p.id!r} turn {turn + 1}")
+        reason = screen_prompt(p.context, len(ids_), target_context(h.target), reserve)
+        if reason is None and len(ids_) + s.max_new_tokens + 2 * h.drafter_cfg.block_size > capacity:
+            reason = SKIP_OVER_CAPACITY
+        if reason:
+            skipped_turns[reason] += p.turns - turn
+            return None
+        decoded.append((i, turn + 1, ids_))
+        return ids_
+
+    return more
+
+
+#: a later turn's context longer than the KV cache sized for it (:data:`REPLY_ROOM`): not decoded, counted
+SKIP_OVER_CAPACITY = "skipped_context_over_kv_capacity"
 
 
 def _start(methods, harness: Harness, log) -> tuple[dict[str, Runner], dict[str, str]]:
@@ -343,12 +506,18 @@ def timing_repeats(s: EvalSettings, dev) -> int:
     return int(s.timing_repeats)
 
 
-def _decode_all(runners: dict[str, Runner], encoded, s: EvalSettings, dev, log) -> tuple[dict[str, list[DecodeResult]], dict[str, dict]]:
+def _decode_all(runners: dict[str, Runner], encoded, s: EvalSettings, dev, log,
+                more=None) -> tuple[dict[str, list[DecodeResult]], dict[str, dict]]:
     """Every method over every prompt, interleaved: prompt by prompt, each prompt's methods in a rotated order
     (:func:`~.metrics.interleaved_order`), so that the methods compared meet the same conditions (a machine busy
     for a while slows them alike). Each method first decodes the first prompt once, untimed. Returns the
     results, and each method's peak memory and wall time (the sum of its decodes); the load average at the
-    start and the end is logged and kept."""
+    start and the end is logged and kept.
+
+    ``more(i, turn, ar_result)`` (multi-turn prompts): the context of prompt ``i``'s next user turn, encoded,
+    given the reference's (AR's) reply to user turn ``turn`` (1-based), or None when there is none; every
+    method then decodes that turn from that same context, before the next prompt. The results list one entry
+    per decoded (prompt, turn) in that order (prompt, then turn); the rotation and the seed follow that count."""
     import os
 
     from tqdm import tqdm
@@ -364,21 +533,27 @@ def _decode_all(runners: dict[str, Runner], encoded, s: EvalSettings, dev, log) 
     results = {m: [] for m in runners}
     wall, peak, unsteady = dict.fromkeys(runners, 0.0), {}, set()
     bar = tqdm(range(len(encoded)), desc=f"evaluate {len(runners)} methods, interleaved", mininterval=5)
+    u = 0  # decoded (prompt, turn) pairs so far: a single-turn set's prompt index
     for i in bar:
-        runs = {m: [] for m in runners}
-        for rnd in range(repeats):
-            for method in M.interleaved_order(list(runners), i * repeats + rnd):
-                _peak_memory_reset(dev)
-                t0 = time.perf_counter()
-                runs[method].append(runners[method].decode(encoded[i], s.max_new_tokens, s.seed + i))
-                wall[method] += time.perf_counter() - t0
-                mem = _peak_memory(dev)
-                if method not in peak or mem["peak_memory_bytes"] > peak[method]["peak_memory_bytes"]:
-                    peak[method] = mem
-        for method, out in runs.items():
-            if any(r.tokens != out[0].tokens for r in out[1:]):
-                unsteady.add(method)
-            results[method].append(M.median_run(out, lambda r: r.decode_s))
+        context, turn = encoded[i], 1
+        while context is not None:
+            runs = {m: [] for m in runners}
+            for rnd in range(repeats):
+                for method in M.interleaved_order(list(runners), u * repeats + rnd):
+                    _peak_memory_reset(dev)
+                    t0 = time.perf_counter()
+                    runs[method].append(runners[method].decode(context, s.max_new_tokens, s.seed + u))
+                    wall[method] += time.perf_counter() - t0
+                    mem = _peak_memory(dev)
+                    if method not in peak or mem["peak_memory_bytes"] > peak[method]["peak_memory_bytes"]:
+                        peak[method] = mem
+            for method, out in runs.items():
+                if any(r.tokens != out[0].tokens for r in out[1:]):
+                    unsteady.add(method)
+                results[method].append(M.median_run(out, lambda r: r.decode_s))
+            u += 1
+            context = None if more is None else more(i, turn, results[REFERENCE][-1])
+            turn += 1
         out = results.get("dflash") or next(iter(results.values()))
         bar.set_postfix(tau=f"{M.tau_pooled([x.committed for x in out]):.2f}", refresh=False)
     load_end, cpu_end = os.getloadavg(), _cpu_reading()

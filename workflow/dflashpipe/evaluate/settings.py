@@ -58,6 +58,7 @@ class EvalSettings:
     target_step: str
     attention: str
     timing_repeats: object  # "auto" or a count: see :func:`dflashpipe.evaluate.run.timing_repeats`
+    turns: str  # all: every user turn of a multi-turn prompt, each after the target's reply to the one before | first
     # from other sections of the config: the top-level seed (default: the schema's), and
     # expand.chat_template_kwargs (passed by name; the decorator takes defaults of `evaluate` keys only)
     seed: int
