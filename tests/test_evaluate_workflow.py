@@ -1,10 +1,12 @@
 """Evaluate, tables, plots and the HTML report through the real workflow (mini config)."""
 
 import json
+import re
 
 import pandas as pd
+import yaml
 
-from conftest import planned_after_edit, snakemake
+from conftest import PROMPTS, planned_after_edit, snakemake, write_config
 
 METHODS = {"dflash", "ar", "hf_generate", "prompt_lookup", "assisted"}
 
@@ -22,6 +24,8 @@ def test_evaluation_outputs(mini_run):
 
     ev = pd.read_csv(r / "tables/eval.csv")
     assert set(ev["method"]) == METHODS and set(ev["dataset"]) == {"math_heldout"}
+    groups = pd.read_csv(r / "tables/eval_groups.csv")  # single-turn, no categories: the columns, no rows
+    assert groups.empty and {"group_kind", "group", "speedup_vs_ar_ci_low", "tau_pooled"} <= set(groups.columns)
     assert (ev.loc[ev["method"] == "ar", "speedup_vs_ar"] - 1).abs().max() < 1e-9
     positions = pd.read_csv(r / "tables/per_position_acceptance.csv")
     assert positions["dataset"].value_counts().to_dict() == {"math_heldout": 3, "simulated (training held-out)": 3}
@@ -31,10 +35,37 @@ def test_evaluation_outputs(mini_run):
     assert list(train["step"]) == [1, 2, 3, 4, 5, 6] and (train["tokens_per_s"] > train["tokens_per_s_per_gpu"]).all()
     comp = pd.read_csv(r / "tables/compile.csv")
     assert set(comp["slot"]) == {0, 1}
-    for png in ["tau_speedup", "per_position_acceptance", "acceptance_histogram", "training_loss_acc",
+    for png in ["tau_speedup", "eval_groups", "per_position_acceptance", "acceptance_histogram", "training_loss_acc",
                 "training_tokens_per_s", "compile_cold_vs_hot"]:
         data = (r / f"plots/{png}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
+
+
+def test_a_two_turn_set_with_categories_gets_its_rows_per_turn_and_category(mini_copy):
+    """MT-Bench's shipped file (2 questions, both turns) added as an eval set to the finished mini run: only its
+    prompts and evaluation and the tables run (and the export: the card's caveat); eval_groups.csv has its
+    turns and its category."""
+    work, cfg = mini_copy
+    config = yaml.safe_load(cfg.read_text())
+    config["datasets"]["mt_bench"] = {"path": str(PROMPTS / "mt_bench.jsonl.gz"), "messages_column": "messages",
+                                      "use": "eval", "limit": 2}
+    write_config(cfg, config)
+    res = snakemake(work, "results/tables/eval_groups.csv", "--cores", "2", "--configfile", str(cfg))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ran = set(re.findall(r"\b(?:local)?rule (\w+):", res.stdout + res.stderr))
+    # and the export: the tiny target's caveat, which the model card holds, now names the off-domain set
+    assert ran == {"prompts", "evaluate", "tables", "export"}, ran
+    r = work / "results"
+    samples = pd.read_parquet(r / "eval/mt_bench.samples.parquet")
+    assert sorted(zip(samples.loc[samples["method"] == "ar", "id"], samples.loc[samples["method"] == "ar", "turn"])) == [
+        ("mt_bench-81", 1), ("mt_bench-81", 2), ("mt_bench-82", 1), ("mt_bench-82", 2)]
+    groups = pd.read_csv(r / "tables/eval_groups.csv")
+    assert set(groups["dataset"]) == {"mt_bench"} and set(groups["method"]) == METHODS
+    dfl = groups[groups["method"] == "dflash"].set_index(["group_kind", "group"])
+    assert sorted(dfl.index) == [("category", "writing"), ("turn", "1"), ("turn", "2")]
+    assert list(dfl.loc[[("turn", "1"), ("turn", "2"), ("category", "writing")], "n_samples"]) == [2, 2, 4]
+    assert (dfl["tau_pooled"] >= 1).all() and (dfl["speedup_vs_ar"] > 0).all()
+    assert set(pd.read_csv(r / "tables/eval.csv")["dataset"]) == {"math_heldout", "mt_bench"}
 
 
 def test_plotting_code_edit_does_not_rerun_training(mini_run):

@@ -95,6 +95,31 @@ def _compile_csv(path, misses: int) -> None:
                  ).to_csv(path, index=False)
 
 
+def test_groups_plot_draws_dflash_per_turn_and_category_or_says_there_are_none(tmp_path, figures):
+    """eval_groups.png from the table the tables job writes: one panel per set that has turns or categories, a
+    bar per group labelled with its speed-up and tau; a run without such a set gets a line saying so."""
+    from dflashpipe.stages.tables import group_table, write_csv
+
+    fig = {"n_prompts": 2, "n_samples": 2, "tau_mean": 2.0, "tau_pooled": 2.1, "tokens_per_s": 100.0,
+           "speedup_vs_ar": 1.5, "speedup_vs_ar_median_per_prompt": 1.4, "speedup_vs_ar_ci_low": 1.2,
+           "speedup_vs_ar_ci_high": None, "matches_ar": 1.0}
+    both = {m: fig for m in ("dflash", "ar")}
+    (tmp_path / "mt.json").write_text(json.dumps({"methods": {}, "turns": {"1": both, "2": both},
+                                                  "categories": {"writing": both, "math": both}}))
+    (tmp_path / "math.json").write_text(json.dumps({"methods": {}}))
+    table = group_table({"mt_bench": str(tmp_path / "mt.json"), "math": str(tmp_path / "math.json")})
+    assert len(table) == 8 and set(table["dataset"]) == {"mt_bench"}
+    write_csv(table, tmp_path / "g.csv")
+    plots.groups(str(tmp_path / "g.csv"), str(tmp_path / "g.png"))
+    assert _png(tmp_path / "g.png") and len(figures[-1].axes) == 1
+    ax = figures[-1].axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["turn 1", "turn 2", "writing", "math"]
+    assert sum("1.50x" in t for t in _texts(figures[-1])) == 4 and "mt_bench" in ax.get_title()
+    write_csv(group_table({"math": str(tmp_path / "math.json")}), tmp_path / "e.csv")
+    plots.groups(str(tmp_path / "e.csv"), str(tmp_path / "e.png"))
+    assert _png(tmp_path / "e.png") and "no eval set has several user turns" in figures[-1].axes[0].get_title()
+
+
 def test_compile_plot_says_nothing_compiled_instead_of_bars(tmp_path, figures):
     _compile_csv(tmp_path / "compile.csv", 0)
     stamps = [_stamp(tmp_path / f"slot{s}.json", s, 0) for s in (0, 1)]

@@ -40,6 +40,7 @@ class Paths:
     # Table and figure files by the name the rules use for them (named outputs).
     TABLES = {
         "eval": "eval.csv",
+        "groups": "eval_groups.csv",
         "positions": "per_position_acceptance.csv",
         "histogram": "acceptance_histogram.csv",
         "training": "training.csv",
@@ -47,6 +48,7 @@ class Paths:
     }
     PLOTS = {
         "tau": "tau_speedup.png",
+        "groups": "eval_groups.png",
         "positions": "per_position_acceptance.png",
         "histogram": "acceptance_histogram.png",
         "loss": "training_loss_acc.png",

@@ -1,5 +1,5 @@
 rule tables:
-    """CSV tables of the run: evaluation per dataset and method, acceptance, training, compile times."""
+    """CSV tables: evaluation per dataset and method (and per turn, category), acceptance, training, compile."""
     input:
         eval=pipeline.eval_summaries,
         metrics=paths.train_metrics,
@@ -7,6 +7,7 @@ rule tables:
         stamps=pipeline.run_stamps,
     output:
         eval=paths.table("eval"),
+        groups=paths.table("groups"),
         positions=paths.table("positions"),
         histogram=paths.table("histogram"),
         training=paths.table("training"),
@@ -27,6 +28,7 @@ rule plots:
     """PNG figures (results/plots/), each with a caption in the Snakemake report."""
     input:
         eval=paths.table("eval"),
+        groups=paths.table("groups"),
         positions=paths.table("positions"),
         histogram=paths.table("histogram"),
         training=paths.table("training"),
@@ -37,6 +39,11 @@ rule plots:
         tau=report(
             paths.plot("tau"),
             caption="../report/tau_speedup.rst",
+            category="Evaluation",
+        ),
+        groups=report(
+            paths.plot("groups"),
+            caption="../report/eval_groups.rst",
             category="Evaluation",
         ),
         positions=report(

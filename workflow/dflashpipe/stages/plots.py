@@ -164,6 +164,41 @@ def tau_speedup(eval_csv: str, out_png: str, method_labels: dict[str, str]) -> N
     save_png(fig, out_png)
 
 
+def groups(groups_csv: str, out_png: str) -> None:
+    """DFlash's speed-up over AR per user turn and per category of each eval set that has them
+    (``eval_groups.csv``), with the 95% interval and tau_pooled over each bar; a text-only figure where no set
+    has several turns or categories."""
+    df = read_csv(groups_csv)
+    df = df[df["method"] == "dflash"]
+    datasets = list(dict.fromkeys(df["dataset"]))
+    if not datasets:
+        fig, ax = plt.subplots(figsize=(7, 2.5))
+        ax.set_axis_off()
+        ax.set_title("Per turn and per category: no eval set has several user turns or categories")
+        ax.text(0.5, 0.5, "results/tables/eval_groups.csv has no rows: every eval set is single-turn, without a "
+                "category field.", ha="center", va="center", fontsize=8, wrap=True, transform=ax.transAxes)
+        save_png(fig, out_png)
+        return
+    fig, axes = plt.subplots(len(datasets), 1, figsize=(9, 3.4 * len(datasets)), squeeze=False)
+    for ax, d in zip(axes[:, 0], datasets):
+        g = df[df["dataset"] == d].reset_index(drop=True)
+        names = [f"turn {v}" if k == "turn" else str(v) for k, v in zip(g["group_kind"], g["group"])]
+        colors = ["tab:blue" if k == "turn" else "tab:orange" for k in g["group_kind"]]
+        bars = ax.bar(range(len(g)), g["speedup_vs_ar"], color=colors)
+        low, high = g["speedup_vs_ar_ci_low"], g["speedup_vs_ar_ci_high"]
+        ax.errorbar(range(len(g)), g["speedup_vs_ar"], yerr=[(g["speedup_vs_ar"] - low).clip(lower=0).fillna(0),
+                                                             (high - g["speedup_vs_ar"]).clip(lower=0).fillna(0)],
+                    fmt="none", ecolor="k", elinewidth=0.8, capsize=2)
+        ax.bar_label(bars, labels=[f"{_fmt(sp)}x\ntau {_fmt(t)}" for sp, t in zip(g["speedup_vs_ar"], g["tau_pooled"])], padding=3,
+                     fontsize=7)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(range(len(g)), names, rotation=20, fontsize=8)
+        ax.set(ylabel="speedup_vs_ar (x)", title=f"{d}: DFlash per turn (blue) and per category (orange, turns pooled)")
+        ax.margins(y=0.25)
+        ax.grid(alpha=0.3, axis="y")
+    save_png(fig, out_png)
+
+
 def _fmt(v) -> str:
     return "" if pd.isna(v) else f"{v:.2f}"
 

@@ -86,6 +86,29 @@ def eval_tables(eval_summaries: dict[str, str], train_summary: str | None = None
     return pd.DataFrame(rows), pd.DataFrame(positions), pd.DataFrame(histogram)
 
 
+#: the figures of a group of an eval set's samples (:func:`group_table`), as the summary's ``turns`` and
+#: ``categories`` hold them per method
+GROUP_FIGURES = ["n_prompts", "n_samples", "tau_mean", "tau_pooled", "tokens_per_s", "speedup_vs_ar",
+                 "speedup_vs_ar_median_per_prompt", "speedup_vs_ar_ci_low", "speedup_vs_ar_ci_high", "matches_ar"]
+#: the kinds of group, as ``group_kind`` names them, and the summary entry each comes from
+GROUP_KINDS = {"turn": "turns", "category": "categories"}
+
+
+def group_table(eval_summaries: dict[str, str], caveat: str | None = None) -> pd.DataFrame:
+    """Per dataset, method and group: the figures of a multi-turn set per user turn (``group_kind`` turn, group
+    1, 2, ...) and of a set with categories per category (MT-Bench's 8, every turn pooled). A set with neither
+    has no rows; the columns are always there."""
+    rows = []
+    for dataset, path in eval_summaries.items():
+        s = read_json(path)
+        for kind, entry in GROUP_KINDS.items():
+            for group, methods in (s.get(entry) or {}).items():
+                for method, figures in methods.items():
+                    rows.append({"dataset": dataset, "method": method, "group_kind": kind, "group": group,
+                                 **{c: figures.get(c) for c in GROUP_FIGURES}, "caveat": caveat})
+    return pd.DataFrame(rows, columns=["dataset", "method", "group_kind", "group", *GROUP_FIGURES, "caveat"])
+
+
 #: the per-position rows predicted by training's held-out evaluation
 SIMULATED = "simulated (training held-out)"
 
@@ -114,6 +137,8 @@ def write_tables(eval_summaries, metrics_csv, train_summary, stamps, out: dict, 
                  caveat: str | None = None) -> None:
     ev, pos, hist = eval_tables(eval_summaries, train_summary, caveat)
     write_csv(ev, out["eval"])
+    groups = group_table(eval_summaries, caveat)
+    write_csv(groups, out["groups"])
     write_csv(pos, out["positions"])
     write_csv(hist, out["histogram"])
     write_csv(training_table(metrics_csv), out["training"])
@@ -121,5 +146,10 @@ def write_tables(eval_summaries, metrics_csv, train_summary, stamps, out: dict, 
     cols = ["dataset", "method", "tau_mean", "tau_pooled", "simulated_tau", "tokens_per_s", "speedup_vs_ar",
             "tokens_per_target_forward"]
     log("\n" + ev[cols].to_string(index=False))
+    if len(groups):
+        shown = groups[groups["method"] == "dflash"]
+        log("\nDFlash per turn and category:\n" + shown[["dataset", "group_kind", "group", "n_samples", "tau_pooled",
+                                                          "speedup_vs_ar", "speedup_vs_ar_ci_low",
+                                                          "speedup_vs_ar_ci_high"]].to_string(index=False))
     if caveat:
         log(f"NOTE: {caveat}")
