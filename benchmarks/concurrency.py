@@ -187,7 +187,7 @@ def run_case(a) -> Case:
     from dflashpipe.evaluate.run import encode_prompt
     from dflashpipe.inputs.data import read_prompts
     from dflashpipe.inputs.target import load_target
-    from dflashpipe.stages.expand import _next_turns, turn_plan
+    from dflashpipe.inputs.turns import next_turns, turn_plan
 
     run = Path(a.run)
     summaries = sorted((run / "eval").glob("*.summary.json"))
@@ -204,7 +204,7 @@ def run_case(a) -> Case:
     df = read_prompts(str(run / "prompts" / f"{dataset}.parquet"))
     kwargs = summary.get("chat_template_kwargs") or {}
     # a multi-turn prompt (MT-Bench) by its first user turn, as the rule `concurrency` reads it
-    prompts = [encode_prompt(tok, _next_turns(turns, turn_plan(turns, "all")[0], 0), kwargs)
+    prompts = [encode_prompt(tok, next_turns(turns, turn_plan(turns, "all")[0], 0), kwargs)
                for turns in df["prompt"][: a.run_prompts]]
     context = int(getattr(target.config, "max_position_embeddings", 1 << 30))
     prompts = [p for p in prompts if len(p) + a.new + 2 * drafter.cfg.block_size <= context]

@@ -90,6 +90,9 @@ def test_each_decoder_belongs_to_the_stages_that_run_it():
     assert {"decode/speculative.py", "decode/static_target.py", "decode/static_drafter.py", "decode/cuda_graph.py",
             "evaluate/lossless.py", "evaluate/hf_assistant.py", "evaluate/metrics.py"} <= evaluate
     assert not any(n.startswith("decode/") for n in train)
+    # which user turns of a chat the target answers: one module both read, so an expansion edit reruns no evaluation
+    assert "inputs/turns.py" in expand & evaluate and "stages/expand.py" not in evaluate
+
 
 def test_the_export_depends_on_the_modeling_code_it_copies():
     """The export job copies export/hf_modeling.py beside the weights without importing it (its

@@ -14,7 +14,8 @@ from dflashpipe.drafter.masks import sample_anchors
 from dflashpipe.inputs.data import prepare_prompts
 from dflashpipe.inputs.target import prompt_ids
 from dflashpipe.inputs.tokenize import encode_chat
-from dflashpipe.stages.expand import ExpandSettings, expand_prompts, turn_plan
+from dflashpipe.inputs.turns import turn_plan
+from dflashpipe.stages.expand import ExpandSettings, expand_prompts
 
 SETTINGS = dict(max_new_tokens=12, batch_size=1, chunk_size=8, temperature=0.0)
 

@@ -350,7 +350,7 @@ class EvalPrompt:
     """One prompt of an evaluation and the user turns it decodes, in order (``evaluate.turns``).
 
     ``chat``: the row's turns; ``points``: the indices in ``chat`` of the user turns decoded (the expansion's
-    :func:`~dflashpipe.stages.expand.turn_plan`: a single-turn row has one); ``context``: the turns up to the
+    :func:`~dflashpipe.inputs.turns.turn_plan`: a single-turn row has one); ``context``: the turns up to the
     one decoded now (the first, then each earlier user turn followed by the target's own reply to it);
     ``encoded``: the first turn's context under the chat template; ``bound``: at most how many tokens any of
     its turns' contexts can take (the static KV cache is sized for it)."""
@@ -371,11 +371,11 @@ class EvalPrompt:
 def eval_prompts(prompts_parquet, tok, target, block_size: int, s: EvalSettings, log) -> tuple[list[EvalPrompt], Counter]:
     """The first ``s.num_prompts`` usable prompts (:class:`EvalPrompt`), and why the others were skipped.
 
-    A row's user turns are those the expansion answers (:func:`~dflashpipe.stages.expand.turn_plan`): a
+    A row's user turns are those the expansion answers (:func:`~dflashpipe.inputs.turns.turn_plan`): a
     multi-turn row (MT-Bench: two user turns with the target's reply between them) decodes every one in order
     (``evaluate.turns: all``) or its first only (``first``); a prompt is usable when its first turn is."""
     from dflashpipe.inputs.data import CATEGORY, read_prompts, screen_prompt, target_context
-    from dflashpipe.stages.expand import _next_turns, turn_plan
+    from dflashpipe.inputs.turns import next_turns, turn_plan
 
     df = read_prompts(prompts_parquet)
     # every method must decode max_new_tokens (plus one verify block) within the target's context
@@ -387,7 +387,7 @@ def eval_prompts(prompts_parquet, tok, target, block_size: int, s: EvalSettings,
             break
         points = turn_plan(chat, "all")[0]
         points = points[:1] if s.turns == "first" else points
-        first = _next_turns(chat, points, 0)
+        first = next_turns(chat, points, 0)
         where = f"{prompts_parquet} row id {df['id'].iloc[i]!r}"
         ids_ = encode_prompt(tok, first, s.chat_template_kwargs, where)
         reason = screen_prompt(first, len(ids_), context, reserve)
@@ -438,7 +438,7 @@ def _next_context(h: Harness, prompts: list[EvalPrompt], capacity: int, skipped_
     the context does not fit (counted in ``skipped_turns`` for that turn and any after it). ``decoded`` gets
     ``(prompt index, turn, encoding)`` of each turn it hands on."""
     from dflashpipe.inputs.data import screen_prompt, target_context
-    from dflashpipe.stages.expand import _next_turns
+    from dflashpipe.inputs.turns import next_turns
 
     s = h.settings
     reserve = s.max_new_tokens + h.drafter_cfg.block_size
@@ -448,7 +448,7 @@ def _next_context(h: Harness, prompts: list[EvalPrompt], capacity: int, skipped_
         if turn >= p.turns:
             return None
         p.context = p.context + [{"role": "assistant", "content": reply_text(h.tokenizer, ar.tokens, h.eos)}] \
-            + _next_turns(p.chat, p.points, turn)
+            + next_turns(p.chat, p.points, turn)
         ids_ = encode_prompt(h.tokenizer, p.context, s.chat_template_kwargs, f"prompt id {p.id!r} turn {turn + 1}")
         reason = screen_prompt(p.context, len(ids_), target_context(h.target), reserve)
         if reason is None and len(ids_) + s.max_new_tokens + 2 * h.drafter_cfg.block_size > capacity:

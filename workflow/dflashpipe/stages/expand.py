@@ -43,6 +43,7 @@ import torch
 from dflashpipe.decode.cuda_graph import round_capacity
 from dflashpipe.inputs.data import screen_prompt, target_context
 from dflashpipe.inputs.target import describe_neutralised, end_token_ids, generation_arguments, prompt_text
+from dflashpipe.inputs.turns import next_turns, turn_plan
 from dflashpipe.jobs.atomic import atomic_path, write_json
 from dflashpipe.jobs.errors import UserError
 from dflashpipe.jobs.settings import on_server, schema_enum, schema_settings
@@ -245,36 +246,8 @@ RECORD_COLUMNS = ["id", "sample", "messages", "response", "num_prompt_tokens", "
 #: expand.turns: all (every user turn of a chat answered, turn by turn) | last (the last one only)
 TURNS = schema_enum("expand.turns")
 
-#: the roles of a chat regenerated turn by turn; a row with a turn of another role (a tool's) gets its last reply only
-CHAT_ROLES = ("system", "user", "assistant")
-
 #: added to a chunk's seed per round of :func:`turn_by_turn` (round 0 draws as a single-turn expansion does)
 ROUND_SEED_STEP = 7_919
-
-
-def turn_plan(prompt: list[dict], turns: str) -> tuple[list[int], int, str | None]:
-    """(indices of the user turns the target answers, the row's user turns, why it answers fewer, or None).
-
-    A row's user turns are those the corpus answers (the next turn is an assistant's) and its last turn.
-    ``turns: last``, or a row holding a turn of another role (a tool's), answers the last one only."""
-    points = [i for i in range(len(prompt) - 1) if prompt[i]["role"] == "user" and prompt[i + 1]["role"] == "assistant"]
-    points.append(len(prompt) - 1)
-    if len(points) > 1 and turns == "last":
-        return points[-1:], len(points), "turns_last"
-    if len(points) > 1 and any(t["role"] not in CHAT_ROLES for t in prompt):
-        return points[-1:], len(points), "tool_turns"
-    return points, len(points), None
-
-
-def _next_turns(prompt: list[dict], points: list[int], k: int) -> list[dict]:
-    """The corpus turns up to user turn ``points[k]`` that follow the reply to ``points[k - 1]`` (the corpus's
-    own reply to it left out: the target's takes its place)."""
-    if k == 0:
-        return [dict(t) for t in prompt[: points[0] + 1]]
-    turns = prompt[points[k - 1] + 1 : points[k] + 1]
-    while turns[0]["role"] == "assistant":
-        turns = turns[1:]
-    return [dict(t) for t in turns]
 
 
 def _turn(record: dict) -> dict:
@@ -305,7 +278,7 @@ def _answer(chain: dict, record: dict, more: bool) -> bool:
 
 
 def turn_by_turn(generate, s: ExpandSettings):
-    """A backend's ``generate`` that answers the user turns of each row in turn (:func:`turn_plan`).
+    """A backend's ``generate`` that answers the user turns of each row in turn (:func:`~dflashpipe.inputs.turns.turn_plan`).
 
     Round k generates the reply to user turn k of every row that has one, in the context of the target's own
     earlier replies; after round 0 (``num_samples`` replies per row, as a single-turn expansion) each sample
@@ -321,7 +294,7 @@ def turn_by_turn(generate, s: ExpandSettings):
         def quiet(n_prompts: int, tokens: int) -> None:  # a row is counted once all its turns are answered
             progress(0, tokens)
 
-        first = pd.DataFrame({"id": ids, "prompt": [_next_turns(p, plan[0], 0) for p, plan in zip(prompts, plans)]})
+        first = pd.DataFrame({"id": ids, "prompt": [next_turns(p, plan[0], 0) for p, plan in zip(prompts, plans)]})
         records, new_tokens = generate(first, chunk_seed, progress if single else quiet)
         row_of = {rid: i for i, rid in enumerate(ids)}
         chains, live = [], []
@@ -339,7 +312,7 @@ def turn_by_turn(generate, s: ExpandSettings):
         k = 1
         while live:
             batch = pd.DataFrame({"id": range(len(live)), "prompt": [
-                [dict(t) for t in c["last"]["messages"]] + _next_turns(prompts[c["row"]], plans[c["row"]][0], k)
+                [dict(t) for t in c["last"]["messages"]] + next_turns(prompts[c["row"]], plans[c["row"]][0], k)
                 for c in live]})
             records, n_new = generate(batch, chunk_seed + k * ROUND_SEED_STEP, quiet, num_samples=1)
             new_tokens += n_new
