@@ -163,9 +163,36 @@ def test_repeated_decodes_run_in_rotated_rounds_and_each_prompt_counts_its_media
                      (11, "ar"), (11, "dflash"), (11, "dflash"), (11, "ar"), (11, "ar"), (11, "dflash")]
     assert [r.decode_s for r in results["dflash"]] == [0.4, 0.3]  # medians of (0.9, 0.2, 0.4), (0.5, 0.3, 0.1)
     assert [r.decode_s for r in results["ar"]] == [1.0, 1.1]  # the 5.0 s hiccup does not count
-    assert measured["ar"]["timing_repeats"] == measured["dflash"]["timing_repeats"] == 3
-    assert R.timing_repeats(EvalSettings(timing_repeats="auto"), "cuda:0") == 3
-    assert R.timing_repeats(EvalSettings(timing_repeats="auto"), "cpu") == 1
+    assert measured["ar"]["timing_repeats"] == 3 and measured["dflash"]["timing_rounds_mean"] == 3
+
+
+def test_auto_timing_repeats_repeat_only_where_a_round_is_cheap():
+    """timing_repeats: auto times a prompt again while its rounds fit 0.5 s: 3 rounds of millisecond decodes,
+    one of decodes that take seconds."""
+    import time
+
+    import torch
+
+    from dflashpipe.decode.speculative import DecodeResult
+    from dflashpipe.evaluate import run as R
+    from dflashpipe.evaluate.metrics import auto_rounds
+    from dflashpipe.evaluate.settings import EvalSettings
+
+    assert [auto_rounds(t) for t in (0.0, 0.1, 0.2, 0.25, 0.3, 0.6, 5.0)] == [3, 3, 2, 2, 1, 1, 1]
+
+    class Sleeper:
+        def __init__(self, seconds):
+            self.seconds = seconds
+
+        def decode(self, prompt, max_new_tokens, seed):
+            time.sleep(self.seconds)
+            return DecodeResult(tokens=[1], decode_s=self.seconds)
+
+    s = EvalSettings(max_new_tokens=1, warmup=False, timing_repeats="auto")
+    for seconds, rounds in ((0.001, 3), (0.3, 1)):
+        _, measured = R._decode_all({"dflash": Sleeper(seconds), "ar": Sleeper(seconds)}, [[1], [2]], s,
+                                    torch.device("cpu"), lambda *_: None)
+        assert measured["ar"]["timing_rounds_mean"] == rounds and measured["ar"]["timing_repeats"] == "auto"
 
 
 def test_other_busy_cores_on_fixed_readings_and_a_real_busy_process():

@@ -331,7 +331,8 @@ def test_evaluate_dataset_writes_samples_and_summary(micro, micro_target, tmp_pa
     assert summary["methods"]["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
     # every prompt timed twice per method; one row each, the run of median time
     assert {s["timing_repeats"] for s in summary["methods"].values()} == {2}
-    assert any("decoded 2 times per method" in line for line in logs)
+    assert {s["timing_rounds_mean"] for s in summary["methods"].values()} == {2}
+    assert any("timed in 2-2 rounds" in line for line in logs)
     assert all(s["other_busy_cores"] is None or s["other_busy_cores"] >= 0 for s in summary["methods"].values())
     assert any("cores busy while the decodes were timed" in line or "load average" in line for line in logs)
     with pytest.raises(UserError, match="methods"):

@@ -182,6 +182,22 @@ def other_busy_cores(start: tuple[float, float, float], end: tuple[float, float,
     return max(0.0, ((end[1] - start[1]) - (end[2] - start[2])) / wall)
 
 
+#: evaluate.timing_repeats: auto: a prompt's decodes are timed again while all its rounds take at most this long
+AUTO_ROUNDS_BUDGET_S = 0.5
+#: ... and in at most this many rounds
+AUTO_ROUNDS_MOST = 3
+
+
+def auto_rounds(first_round_s: float, budget_s: float = AUTO_ROUNDS_BUDGET_S, most: int = AUTO_ROUNDS_MOST) -> int:
+    """How many rounds a prompt's decodes are timed in (``evaluate.timing_repeats: auto``), given its first
+    round's seconds (every method once): as many as fit the budget, 1 to ``most``. Repeating costs at most the
+    budget per prompt, so it happens where decodes are cheap (a small target on a GPU), not where they take
+    seconds (the CPU, eager peers)."""
+    if first_round_s <= 0:
+        return most
+    return max(1, min(most, int(budget_s // first_round_s)))
+
+
 def median_run(runs: Sequence, seconds) -> object:
     """The run of median time ``seconds(run)`` among a prompt's repeated decodes (the lower middle of an even
     count): one real run, so that its tokens, prefill and decode times belong together."""

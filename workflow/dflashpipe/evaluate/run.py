@@ -498,14 +498,6 @@ def _cpu_reading() -> tuple[float, float, float] | None:
             own.user + own.system)
 
 
-def timing_repeats(s: EvalSettings, dev) -> int:
-    """How many times each prompt's decode is timed per method (``evaluate.timing_repeats``; auto: 3 on a GPU,
-    where a decode takes milliseconds, 1 on the CPU, where it takes seconds)."""
-    if s.timing_repeats == "auto":
-        return 3 if str(dev).startswith("cuda") else 1
-    return int(s.timing_repeats)
-
-
 def _decode_all(runners: dict[str, Runner], encoded, s: EvalSettings, dev, log,
                 more=None) -> tuple[dict[str, list[DecodeResult]], dict[str, dict]]:
     """Every method over every prompt, interleaved: prompt by prompt, each prompt's methods in a rotated order
@@ -528,18 +520,20 @@ def _decode_all(runners: dict[str, Runner], encoded, s: EvalSettings, dev, log,
             runner.decode(encoded[0], s.max_new_tokens, s.seed)
             laps.lap(method)
         log(f"first decodes (untimed: compiling, capturing, allocating): {laps}")
-    repeats = timing_repeats(s, dev)
+    fixed = None if s.timing_repeats == "auto" else int(s.timing_repeats)
     load_start, cpu_start = os.getloadavg(), _cpu_reading()
     results = {m: [] for m in runners}
-    wall, peak, unsteady = dict.fromkeys(runners, 0.0), {}, set()
+    wall, peak, unsteady, rounds_done = dict.fromkeys(runners, 0.0), {}, set(), []
     bar = tqdm(range(len(encoded)), desc=f"evaluate {len(runners)} methods, interleaved", mininterval=5)
-    u = 0  # decoded (prompt, turn) pairs so far: a single-turn set's prompt index
+    u = k = 0  # decoded (prompt, turn) pairs so far (a single-turn set's prompt index); rounds so far
     for i in bar:
         context, turn = encoded[i], 1
         while context is not None:
             runs = {m: [] for m in runners}
-            for rnd in range(repeats):
-                for method in M.interleaved_order(list(runners), u * repeats + rnd):
+            rounds, rnd = fixed or M.AUTO_ROUNDS_MOST, 0
+            while rnd < rounds:
+                started = time.perf_counter()
+                for method in M.interleaved_order(list(runners), k):
                     _peak_memory_reset(dev)
                     t0 = time.perf_counter()
                     runs[method].append(runners[method].decode(context, s.max_new_tokens, s.seed + u))
@@ -547,6 +541,10 @@ def _decode_all(runners: dict[str, Runner], encoded, s: EvalSettings, dev, log,
                     mem = _peak_memory(dev)
                     if method not in peak or mem["peak_memory_bytes"] > peak[method]["peak_memory_bytes"]:
                         peak[method] = mem
+                k, rnd = k + 1, rnd + 1
+                if fixed is None and rnd == 1:  # auto: more rounds only where one is cheap
+                    rounds = M.auto_rounds(time.perf_counter() - started)
+            rounds_done.append(rnd)
             for method, out in runs.items():
                 if any(r.tokens != out[0].tokens for r in out[1:]):
                     unsteady.add(method)
@@ -557,9 +555,12 @@ def _decode_all(runners: dict[str, Runner], encoded, s: EvalSettings, dev, log,
         out = results.get("dflash") or next(iter(results.values()))
         bar.set_postfix(tau=f"{M.tau_pooled([x.committed for x in out]):.2f}", refresh=False)
     load_end, cpu_end = os.getloadavg(), _cpu_reading()
-    measured = {m: {**peak[m], "wall_s": wall[m], "timing_repeats": repeats} for m in runners}
-    if repeats > 1:
-        log(f"each prompt decoded {repeats} times per method; its median time counts"
+    mean_rounds = sum(rounds_done) / max(1, len(rounds_done))
+    measured = {m: {**peak[m], "wall_s": wall[m], "timing_repeats": s.timing_repeats, "timing_rounds_mean": mean_rounds}
+                for m in runners}
+    if max(rounds_done, default=1) > 1:
+        log(f"each prompt's decodes timed in {min(rounds_done)}-{max(rounds_done)} rounds (mean {mean_rounds:.2f}, "
+            f"evaluate.timing_repeats: {s.timing_repeats}); its run of median time counts"
             + (f"; {', '.join(sorted(unsteady))} gave other tokens on a repeat (the median run's count)"
                if unsteady else ""))
     for method, out in results.items():
