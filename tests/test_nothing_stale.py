@@ -288,3 +288,112 @@ def test_a_full_disk_is_one_line_for_every_job_kind(mini_copy, full_results, kin
     (line,) = errors
     assert "no space left on device writing " in line and "results/" in line, line
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
+
+
+# a job kind -> (the target that runs it, its outputs under results/, deleted so that the job must run, and the
+# folder made read-only: results/ itself, or the outputs' own); in an order in which each target plans its
+# job alone (what reads a kind's outputs comes before it, its outputs already gone)
+READ_ONLY = {
+    "plots": ("plots", ["plots/*.png"], "plots"),
+    "tables": ("tables", ["tables/*.csv"], ""),
+    "evaluate": ("results/eval/math_heldout.summary.json", ["eval/math_heldout.*"], ""),
+    "ar_draft": ("ar_draft", ["ar_draft/*.safetensors", "ar_draft/*config.json", "ar_draft/tokenizer.json",
+                              "ar_draft/chat_template.jinja"], ""),
+    "export": ("export", ["drafter/*"], "drafter"),
+    "train": ("results/train/summary.json", ["train/summary.json", "train/metrics.csv", "train/final.safetensors"], ""),
+    "warm_slot": ("results/warm/slot0.json", ["warm/slot0.json"], ""),
+    "tokenize": ("tokenize", ["tokenized/stats.json", "tokenized/train/*"], "tokenized"),
+    "merge_expanded": ("results/expanded/math.parquet", ["expanded/math.parquet"], ""),
+    "expand_shard": ("results/expanded/math/shard0.parquet", ["expanded/math/shard0.parquet"], ""),
+    "tiny_target": ("results/target/metrics.json", ["target/model/*", "target/metrics.json", "target/fingerprint.json"], ""),
+    "prompts": ("results/prompts/math.parquet", ["prompts/math.parquet", "prompts/math.stats.json"], ""),
+}
+# the kinds whose outputs are put back (renamed: the same bytes and dates) after their refusal: made again, they
+# would rerun every job after them (by date; each restores its outputs, +25 s), the recovery that
+# test_a_rebuilt_input_of_the_same_content_recomputes_nothing checks; the rerun here makes the others again
+PUT_BACK = ("warm_slot", "tokenize", "merge_expanded", "expand_shard", "tiny_target", "prompts")
+
+
+def contents(results: Path) -> dict[str, str]:
+    """sha256 of every file under results/ but what every job writes anew: its log and timings, the digest
+    cache, the GPU slots' lease files."""
+    return {str(p.relative_to(results)): sha256(p) for p in sorted(results.rglob("*"))
+            if p.is_file() and p.relative_to(results).parts[0] not in ("logs", "benchmarks", ".cache", "locks")}
+
+
+@pytest.fixture
+def read_only():
+    """``with read_only(folder):`` a read-only bind mount of the folder over itself (root writes through a
+    chmod); unmounted after."""
+    import contextlib
+    import subprocess
+
+    @contextlib.contextmanager
+    def mount(folder: Path):
+        subprocess.run(["mount", "--bind", "-o", "ro", str(folder), str(folder)], check=True)
+        try:
+            yield
+        finally:
+            subprocess.run(["umount", str(folder)], check=True)
+
+    return mount
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a read-only bind mount (root)")
+def test_a_read_only_results_is_one_line_for_every_job_kind_and_a_rerun_recovers(mini_copy, read_only):
+    """A job that must run and cannot write: where its outputs are there, Snakemake's own "Write-protected
+    output files" while it plans; where they are not (deleted, also under a read-only folder of their own),
+    Snakemake deleted them anyway before the job (unlink fails on a read-only filesystem, the file there or
+    not): its 40-line OSError traceback. Now one ERROR line for each kind, naming the file and the folder,
+    before any job starts; no file under results/ written (mtime and sha256); once the mount is gone, the
+    plain rerun makes the outputs again, the same bytes."""
+    import re
+
+    work, cfg = mini_copy
+    results, stash = work / "results", work / "stash"
+    original = contents(results)
+    with read_only(results):  # the outputs there
+        res = snakemake(work, "export", "--cores", "2", "--forcerun", "export", "--configfile", str(cfg))
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "Write-protected output files for rule export" in out, out[-3000:]
+    assert "Traceback" not in out and not re.search(r"^ERROR", out, re.M), out[-3000:]
+
+    for kind, (target, outputs, folder) in READ_ONLY.items():
+        gone = sorted(str(p.relative_to(work)) for g in outputs for p in results.glob(g))
+        assert gone, kind
+        for f in gone:
+            (stash / f).parent.mkdir(parents=True, exist_ok=True)
+            (work / f).rename(stash / f)
+        before = tree(results)
+        with read_only(results / folder):
+            res = snakemake(work, target, "--cores", "2", "--configfile", str(cfg))
+        assert res.returncode != 0
+        assert "Traceback" not in res.stderr and "OSError" not in res.stderr, res.stderr[-3000:]
+        errors = [ln for ln in res.stderr.splitlines() if ln.startswith("ERROR")]
+        assert len(errors) == 1, res.stderr[-3000:]
+        m = re.fullmatch(rf"ERROR: {kind}: cannot write (\S+): (\S+) is on a read-only filesystem; remount it "
+                         r"read-write and rerun: no job ran, no file changed", errors[0])
+        assert m and m[1] in gone and m[2] == os.path.dirname(m[1]), errors[0]
+        assert tree(results) == before, kind
+        if kind in PUT_BACK:
+            for f in gone:
+                (stash / f).rename(work / f)
+
+    res = snakemake(work, "--cores", "2", "--configfile", str(cfg))
+    assert res.returncode == 0, res.stderr[-3000:]
+    again = contents(results)
+    assert sorted(k for k in again.keys() | original.keys() if again.get(k) != original.get(k)) == []
+
+
+def test_a_folder_the_user_may_not_write_in_is_named_with_its_chmod(tmp_path, monkeypatch):
+    """Not root: a folder without write permission (root writes through it, so os.access is stubbed here)."""
+    from dflashpipe.jobs.writable import unwritable
+
+    drafter = tmp_path / "results/drafter"
+    drafter.mkdir(parents=True)
+    jobs = [("evaluate", [str(tmp_path / "results/eval/math.summary.json")]),  # results/eval/ not there yet
+            ("export", [str(drafter / "config.json"), str(drafter / "model.safetensors")])]
+    assert unwritable(jobs) is None
+    monkeypatch.setattr(os, "access", lambda path, mode: path != str(drafter))
+    assert unwritable(jobs) == (f"export: cannot write {drafter}/config.json: {drafter} is not writable by this user; "
+                                f"make it writable (chmod u+w {drafter}) and rerun: no job ran, no file changed")

@@ -17,6 +17,7 @@ from dflashpipe.jobs.errors import UserError
 from dflashpipe.jobs.faults import failpoint
 from dflashpipe.jobs.filedigest import share_cache
 from dflashpipe.jobs.memo import FORCED_ENV, forced_rules
+from dflashpipe.jobs.writable import unwritable
 from dflashpipe.wiring import Pipeline
 
 # the jobs (new Python processes) import this checkout's library, not an installed one
@@ -66,3 +67,11 @@ onstart:
         workflow.dag_settings.forcetargets,
         workflow.dag_settings.forcerun,
     )
+    # every job about to run can write its outputs, log and benchmark, or one line before any starts (a
+    # read-only results/ got Snakemake's OSError traceback; dflashpipe.jobs.writable)
+    _blocked = unwritable(
+        (job.rule.name, [*job.output, *job.log, *([job.benchmark] if job.benchmark else [])])
+        for job in workflow.dag.needrun_jobs()
+    )
+    if _blocked:
+        raise SystemExit(f"ERROR: {_blocked}")
