@@ -117,3 +117,17 @@ def test_failed_rank_is_reported_with_this_attempts_error_line(tmp_path):
     assert "earlier attempt" not in msg, msg
     assert "Segmentation fault in the kernel" in msg and "exit code 3" in msg, msg
     assert "ERROR: an earlier attempt's failure" in log.read_text()  # the log keeps its history
+
+
+def test_a_rank_stopped_because_a_peer_left_is_not_named_as_the_cause(tmp_path):
+    """A rank whose collective broke because another rank left says so in one line (no traceback): when no
+    rank has an ERROR line and none was killed, the launcher names another one."""
+    from dflashpipe.training.launch import STOPPED, _culprit, peer_left
+
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                        "[127.0.0.1]:21682. This is typically caused by a remote worker crashing.")
+    assert peer_left(gloo) and not peer_left(RuntimeError("CUDA error: an illegal memory access"))
+    logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
+    logs[0].write_text(f"step 3\ntrain rank 0/2: {STOPPED} (Connection closed by peer [127.0.0.1]:21682. ...)\n")
+    logs[1].write_text("step 3\nRuntimeError: a kernel's own failure\n")
+    assert _culprit([0, 1], {0: 1, 1: 1}, [str(p) for p in logs], {0: 0, 1: 0}) == 1

@@ -14,13 +14,16 @@ byte for byte, and leaves no temporary file behind.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from conftest import planned_rules, sha256, snakemake, snakemake_cmd, snakemake_env
@@ -154,3 +157,63 @@ def test_a_dry_run_interrupted_while_it_plans_writes_nothing_and_leaves_no_lock(
     assert snapshot(results) == before
     assert {str(p): p.stat().st_mtime_ns for p in results.rglob("*") if p.is_file()} == stamps
     assert planned_rules(work, "--configfile", str(cfg)) == {}  # and the next plan finds every output
+
+
+def test_a_run_killed_writing_a_checkpoint_resumes_from_the_last_good_one_through_snakemake(
+        mini_run, mini_copy, tmp_path):
+    """The mini run trained again (6 steps, a checkpoint every 2, the newest two kept) and SIGKILLed, whole, as
+    rank 0 writes step 6's checkpoint: written in full under its temporary name, not yet in place. Then the
+    newest checkpoint in place (step 4) is cut short too, as a crash of the machine leaves it. With no intact
+    checkpoint (step 2 cut as well), the plain rerun stops in one line naming the files and the folder to
+    delete; with step 2 intact, it resumes from step 2 (never from the broken step 4 or the half-written
+    step 6, which is removed) and ends with the same weights, bit for bit, and the same losses as the
+    uninterrupted run; the evaluation finds the same drafter and restores its outputs, byte for byte."""
+    ref, _ = mini_run
+    work, cfg = mini_copy
+    results = work / "results"
+    before = snapshot(results)
+    shutil.rmtree(results / "train/checkpoints")  # the finished run forgotten: it trains again
+    faults = [{"at": "atomic.publish", "do": "park", "path": "*/step0000006.pt"}]
+    cmd = snakemake_cmd(work, "--cores", "2", "--configfile", str(cfg), "--forcerun", "train")
+    run_parked(work, cmd, faults, signal.SIGKILL, tmp_path / "parked.json", "step 6's checkpoint")
+    (ckpt,) = (results / "train/checkpoints").iterdir()
+    assert sorted(p.name for p in ckpt.glob("step*")) == ["step0000002.pt", "step0000004.pt"]
+    assert [p.name for p in ckpt.glob(".tmp-*")], "no half-written checkpoint"
+    step2, step4 = ckpt / "step0000002.pt", ckpt / "step0000004.pt"
+    intact = step2.read_bytes()
+    step4.write_bytes(step4.read_bytes()[:300_000])
+    assert snakemake(work, "--unlock", "--configfile", str(cfg)).returncode == 0
+
+    step2.write_bytes(intact[:1000])  # no checkpoint loads: one line, nothing trained
+    res = snakemake(work, "--cores", "2", "--configfile", str(cfg))
+    assert res.returncode != 0
+    why = (f"{ckpt.relative_to(work)}: no checkpoint loads (step0000004.pt, step0000002.pt are corrupt); delete "
+           f"{ckpt.relative_to(work)} to start over")
+    # the job's line, and rank 0's in its log that Snakemake shows; rank 1 stopped without a traceback
+    errors = {ln.split("  [")[0].strip() for ln in res.stderr.splitlines() if ln.startswith("ERROR")}
+    job_line = f"ERROR: train rank 0 of 2 failed (exit code 1), the other ranks were stopped: ERROR: {why}"
+    assert errors == {job_line, f"ERROR: {why}"}, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+
+    step2.write_bytes(intact)
+    res = snakemake(work, "--cores", "2", "--configfile", str(cfg))
+    assert res.returncode == 0, res.stderr[-3000:]
+    for k in (0, 1):
+        log = (results / f"logs/train/rank{k}.log").read_text()
+        assert "resumed from step 2" in log, log[-2000:]
+    assert f"WARNING: {step4.relative_to(work)}: cannot load (" in (results / "logs/train/rank0.log").read_text()
+    assert not list(ckpt.glob(".tmp-*")) and sorted(p.name for p in ckpt.glob("step*")) == [
+        "step0000004.pt", "step0000006.pt"]
+    # every file as it was (the final weights, the drafter, the evaluation, its tables and plots), but the
+    # training's records of its times (and the checkpoints and tables that hold them), its launch files and the
+    # jobs' kept outputs (results/.memo: the export's, kept again under its new input); the figures are the same
+    after = snapshot(results)
+    timed = ("train/metrics.csv", "train/summary.json", "train/checkpoints/*", "train/tensorboard/*",
+             "tables/training.csv", "tables/compile.csv", "plots/training_*.png", ".memo/*")
+    differ = sorted(k for k in before if after.get(k) != before[k] and not any(fnmatch.fnmatch(k, g) for g in timed))
+    assert differ == [], "\n".join(differ)
+    new = sorted(after.keys() - before.keys())
+    assert all(k.startswith(("train/tensorboard/", "train/launch/", ".memo/")) for k in new), "\n".join(new)
+    figures = ["step", "loss", "acc", "lr", "grad_norm", "heldout_loss", "heldout_acc", "heldout_sim_tau"]
+    m, r = (pd.read_csv(w / "results/train/metrics.csv")[figures] for w in (work, ref))
+    pd.testing.assert_frame_equal(m, r)

@@ -74,6 +74,11 @@ def _output_to(log_path: str) -> None:
     os.close(fd)
 
 
+#: what a collective raises on the ranks that remain when another one left (exited, was killed)
+PEER_LEFT = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+STOPPED = "stopped: a peer left the run"  # the last line of such a rank's log
+
+
 def _error_line(log_path: str, start: int = 0) -> str:
     """The rank's ERROR line, else the last line of its log (the cause of a crash).
 
@@ -94,11 +99,13 @@ def _error_line(log_path: str, start: int = 0) -> str:
 
 def _culprit(failed: list[int], codes: dict, rank_logs: list[str], starts: dict) -> int:
     """The rank that most likely caused the failure: one with an ERROR line, else one killed by a
-    signal, else the first. (A peer of a dead rank fails too, with a mere connection error.)"""
+    signal, else the first that did not stop because a peer left. (A peer of a dead rank fails too, with
+    a mere connection error: :func:`rank_main` says so in its last line.)"""
     for r in failed:
         if _error_line(rank_logs[r], starts[r]).startswith("ERROR:"):
             return r
-    return next((r for r in failed if codes.get(r, 0) < 0), failed[0])
+    causes = [r for r in failed if STOPPED not in _error_line(rank_logs[r], starts[r])] or failed
+    return next((r for r in failed if codes.get(r, 0) < 0), causes[0])
 
 
 def _log_sizes(paths: list[str]) -> dict[int, int]:
@@ -365,6 +372,17 @@ def node_main(spec_path: str) -> None:
                meet=Rendezvous.of(run, node))
 
 
+def peer_left(err: BaseException) -> bool:
+    """Whether ``err`` is a collective broken by a peer that left the run (gloo's words)."""
+    return any(words in str(err) for words in PEER_LEFT)
+
+
+def _first_line(err: BaseException) -> str:
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's source file and line
+    return first if len(first) <= 160 else first[:160].rsplit(" ", 1)[0] + " ..."
+
+
 def rank_main(spec_path: str) -> None:
     """One rank process (started by a node's elastic agent): its GPU, its slot's warm cache, train."""
     die_with_launcher()
@@ -386,13 +404,21 @@ def rank_main(spec_path: str) -> None:
         raise UserError(f"train rank {rank}: WORLD_SIZE {os.environ['WORLD_SIZE']} is not the run's {run.world_size}")
     if rank != 0:
         os.environ.pop(CONSOLE_ENV, None)  # only rank 0 shows its progress on the job's console
-    with job(run.rank_logs[rank], threads=run.threads, name=f"train rank {rank}/{run.world_size}",
-             outputs=(run.summary_json,)) as log:
-        device = allocation_device(local)  # the local rank's GPU of those the node's launcher was given
-        log(f"rank {rank} = node {rank // run.shards} on {os.uname().nodename}, slot {local}: device "
-            f"{device.device} (CUDA_VISIBLE_DEVICES={device.visible_devices})")
-        use_slot_cache(run.cache_root, local)
-        train_rank(run, rank, device.device, log=log, hot_start=hot_start(run.stamps[local], device.device))
+    try:
+        with job(run.rank_logs[rank], threads=run.threads, name=f"train rank {rank}/{run.world_size}",
+                 outputs=(run.summary_json,)) as log:
+            device = allocation_device(local)  # the local rank's GPU of those the node's launcher was given
+            log(f"rank {rank} = node {rank // run.shards} on {os.uname().nodename}, slot {local}: device "
+                f"{device.device} (CUDA_VISIBLE_DEVICES={device.visible_devices})")
+            use_slot_cache(run.cache_root, local)
+            train_rank(run, rank, device.device, log=log, hot_start=hot_start(run.stamps[local], device.device))
+    except RuntimeError as err:
+        if not peer_left(err):
+            raise
+        # a consequence, not a cause: the rank that left says why in its log (its ERROR line, or its signal),
+        # and the launcher names it; here one line, not a traceback beside it
+        print(f"train rank {rank}/{run.world_size}: {STOPPED} ({_first_line(err)})", flush=True)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":
