@@ -201,13 +201,16 @@ def test_other_busy_cores_on_fixed_readings_and_a_real_busy_process():
     import sys
     import time
 
-    from dflashpipe.evaluate.metrics import other_busy_cores
+    from dflashpipe.evaluate.metrics import machine_busy, other_busy_cores
     from dflashpipe.evaluate.run import _cpu_reading
 
     # 10 s of wall time; the machine was busy 14 CPU-seconds, 4 of them this process's own: 1 core of others
     assert other_busy_cores((100.0, 50.0, 3.0), (110.0, 64.0, 7.0)) == 1.0
     assert other_busy_cores((100.0, 50.0, 3.0), (110.0, 52.0, 7.0)) == 0.0  # never below 0 (tick rounding)
     assert other_busy_cores((100.0, 50.0, 3.0), (100.0, 60.0, 3.0)) == 0.0  # no time passed
+    # 2 cores, a 1-thread evaluation: a second evaluation on the other core is no competition; two spinners are
+    assert not machine_busy(1.02, 2, 1) and machine_busy(2.0, 2, 1) and machine_busy(0.6, 2, 2)
+    assert not machine_busy(0.05, 2, 2)
     before = _cpu_reading()
     if before is None:
         return  # no /proc/stat here: the evaluation falls back to the load average

@@ -182,6 +182,17 @@ def other_busy_cores(start: tuple[float, float, float], end: tuple[float, float,
     return max(0.0, ((end[1] - start[1]) - (end[2] - start[2])) / wall)
 
 
+#: cores other processes may keep busy beyond those this job leaves free before the machine counts as busy
+BUSY_SLACK_CORES = 0.5
+
+
+def machine_busy(others: float, cores: int, own_threads: int) -> bool:
+    """Whether other processes competed with the timed decodes: they kept busy more than the cores this job
+    leaves free (``cores - own_threads``: another evaluation job on its own core is no competition) plus
+    :data:`BUSY_SLACK_CORES`."""
+    return others > max(0, cores - own_threads) + BUSY_SLACK_CORES
+
+
 #: evaluate.timing_repeats: auto: a prompt's decodes are timed again while all its rounds take at most this long
 AUTO_ROUNDS_BUDGET_S = 0.5
 #: ... and in at most this many rounds

@@ -478,8 +478,6 @@ def _start(methods, harness: Harness, log) -> tuple[dict[str, Runner], dict[str,
     return runners, skipped
 
 
-#: other processes busy on more than this share of the cores while the decodes are timed: the log says so
-BUSY_CORES_FRACTION = 0.25
 
 
 def _cpu_reading() -> tuple[float, float, float] | None:
@@ -571,8 +569,10 @@ def _decode_all(runners: dict[str, Runner], encoded, s: EvalSettings, dev, log,
     cores = os.cpu_count() or 1
     others = None if cpu_start is None or cpu_end is None else M.other_busy_cores(cpu_start, cpu_end)
     if others is not None:  # measured over the timed decodes exactly
-        busy = others > BUSY_CORES_FRACTION * cores
-        seen = f"other processes kept {others:.2f} of {cores} cores busy while the decodes were timed"
+        own = torch.get_num_threads() if dev.type == "cpu" else 1
+        busy = M.machine_busy(others, cores, own)
+        seen = (f"other processes kept {others:.2f} of {cores} cores busy while the decodes were timed (this job "
+                f"runs {own} thread{'s' if own > 1 else ''})")
     else:  # no /proc/stat: the 1-minute load average, which lags
         busy = max(load_start[0], load_end[0]) > cores
         seen = f"load average (1 min) {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end, on {cores} cores"
