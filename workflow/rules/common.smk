@@ -70,7 +70,10 @@ onstart:
     # every job about to run can write its outputs, log and benchmark, or one line before any starts (a
     # read-only results/ got Snakemake's OSError traceback; dflashpipe.jobs.writable)
     _blocked = unwritable(
-        (job.rule.name, [*job.output, *job.log, *([job.benchmark] if job.benchmark else [])])
+        (
+            job.rule.name,
+            [*job.output, *job.log, *([job.benchmark] if job.benchmark else [])],
+        )
         for job in workflow.dag.needrun_jobs()
     )
     if _blocked:
