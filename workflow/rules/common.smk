@@ -12,6 +12,7 @@ REPO = Path(workflow.current_basedir).parents[1]
 sys.path.insert(0, str(REPO / "workflow"))
 
 from dflashpipe.config import DATASET_NAME, prepare_config, run_gpus
+from dflashpipe.jobs.bytecode import share_bytecode_cache
 from dflashpipe.jobs.checkout import pin_code
 from dflashpipe.jobs.errors import UserError
 from dflashpipe.jobs.faults import failpoint
@@ -25,6 +26,9 @@ pin_code(REPO / "workflow")
 # the jobs' OpenMP threads sleep while they wait instead of spinning: where other work shares the
 # cores (a laptop, two jobs at once), spinning threads slow a training step (docs/results-cpu.md)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# where the Python installation keeps no bytecode and will write none (container images), the jobs keep
+# theirs in the workflow's cache instead of compiling torch and transformers from source in every job
+share_bytecode_cache()
 
 _config_source = ", ".join(str(f) for f in workflow.configfiles) or "config"
 # --resources gpu=N (else this machine's GPUs): the GPU counts the config leaves null default to it
