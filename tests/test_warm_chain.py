@@ -155,6 +155,12 @@ def _change_result_keys(section: dict, values: dict) -> list[str]:
         if sub.get("x-concurrency"):  # rule concurrency's alone (tests/test_concurrency_rule.py)
             continue
         old = values.get(key, sub.get("default"))
+        if "anyOf" in sub:  # "auto" or a count (evaluate.timing_repeats): a count, another one
+            if not any(alt.get("type") == "integer" for alt in sub["anyOf"]):
+                continue
+            values[key] = old + 1 if isinstance(old, int) else 2
+            changed.append(key)
+            continue
         types = sub["type"] if isinstance(sub["type"], list) else [sub["type"]]
         if "enum" in sub:
             new = next(v for v in sub["enum"] if v != old)
