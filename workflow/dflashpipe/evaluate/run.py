@@ -104,33 +104,25 @@ def _summarise(method: str, results: list[DecodeResult], ar: list[DecodeResult],
                verify_len: int) -> dict:
     """``verify_len``: tokens of one verify, the anchor and the drafts (block_size; DSpark: block_size + 1)."""
     dec_tokens = sum(r.decode_tokens for r in results)
-    dec_s = sum(r.decode_s for r in results)
-    ar_tokens = sum(r.decode_tokens for r in ar)
-    ar_s = sum(r.decode_s for r in ar)
     forwards = sum(r.target_forwards for r in results)
     per_prompt_speedup = [
         M.speedup(a.decode_s, a.decode_tokens, r.decode_s, r.decode_tokens) for r, a in zip(results, ar)
     ]
     per_prompt_speedup = [s for s in per_prompt_speedup if math.isfinite(s)]
+    # tau, tokens/s, the speed-up pooled with its spread (median per prompt, 95% interval), outputs equal to AR's
+    pooled = _group_figures(results, ar, len(results))
+    del pooled["n_samples"]
     out = {
-        "n_prompts": len(results),
+        **pooled,
         "output_tokens": sum(r.new_tokens for r in results),
         "decode_tokens": dec_tokens,
-        "decode_s": dec_s,
+        "decode_s": sum(r.decode_s for r in results),
         "prefill_s": sum(r.prefill_s for r in results),
-        "tokens_per_s": M.tokens_per_second(dec_tokens, dec_s),
         "tokens_per_s_mean_per_response": _mean([r.tokens_per_second for r in results]),
-        "speedup_vs_ar": M.speedup(ar_s, ar_tokens, dec_s, dec_tokens),
         "speedup_vs_ar_mean_per_prompt": _mean(per_prompt_speedup),
-        # the spread: the median of the prompts' own speed-ups and the pooled one's 95% interval (bootstrap)
-        **{f"speedup_vs_ar_{k}": v for k, v in M.speedup_spread([(a.decode_s, a.decode_tokens) for a in ar],
-                                                                [(r.decode_s, r.decode_tokens) for r in results]).items()},
         "target_forwards": forwards,
         "tokens_per_target_forward": dec_tokens / forwards if forwards else float("nan"),
-        "tau_mean": M.tau_mean([r.committed for r in results]),
-        "tau_pooled": M.tau_pooled([r.committed for r in results]),
         "stop_reasons": pd.Series([r.stop_reason for r in results]).value_counts().to_dict(),
-        "matches_ar": sum(r.tokens == a.tokens for r, a in zip(results, ar)) / max(1, len(results)),
     }
     if method == "dflash":
         accepted = [a for r in results for a in r.accepted]
