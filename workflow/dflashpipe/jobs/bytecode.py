@@ -19,12 +19,9 @@ import importlib.util
 import os
 from pathlib import Path
 
+from dflashpipe.jobs.usercache import user_cache
+
 OFF_ENV = "DFLASHPIPE_PYCACHE"
-
-
-def _cache_folder(environ) -> Path:
-    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dflashpipe" / "pycache"
 
 
 def installed_bytecode_missing(environ=os.environ, module: str = "torch") -> bool:
@@ -43,7 +40,7 @@ def share_bytecode_cache(environ=os.environ, module: str = "torch") -> Path | No
     bytecode (see above); the folder, or None where nothing was changed."""
     if environ.get(OFF_ENV) == "0" or environ.get("PYTHONPYCACHEPREFIX") or not installed_bytecode_missing(environ, module):
         return None
-    folder = _cache_folder(environ)
+    folder = user_cache("pycache", environ)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:

@@ -373,11 +373,12 @@ _KEEP_FILES = 64  # cache files kept (oldest removed first): a few dozen code ve
 
 
 def _cache_folder() -> Path | None:
+    from dflashpipe.jobs.usercache import user_cache
+
     folder = os.environ.get(CODE_CACHE_ENV)
     if folder is not None:
         return Path(folder) if folder else None
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dflashpipe" / "code-digests"
+    return user_cache("code-digests")
 
 
 def _cached(package_dir: Path, request: str, compute) -> str:
