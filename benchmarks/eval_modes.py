@@ -19,7 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workflow"))
 
-MODES = [("compiled", "auto"), ("compiled", "sdpa"), ("static", "flex"), ("static", "sdpa"), ("dynamic", "auto")]
+# (target_step, attention, the drafter's attention where it differs from the target's: None = the same)
+MODES = [("compiled", "auto", None), ("compiled", "auto", "sdpa"), ("compiled", "sdpa", "flex"), ("compiled", "sdpa", None),
+         ("static", "flex", None), ("static", "sdpa", None), ("dynamic", "auto", None)]
 
 
 def main(argv=None) -> int:
@@ -33,14 +35,22 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import torch
 
+    import dflashpipe.decode.static_drafter as static_drafter
     from dflashpipe.evaluate.run import evaluate_dataset
     from dflashpipe.evaluate.settings import EvalRun, EvalSettings
 
+    flex_attention_for = static_drafter.flex_attention_for
+
     out_dir = Path(tempfile.mkdtemp(prefix="eval_modes_"))
     for dtype in (torch.bfloat16, torch.float32):
-        for step, attention in MODES:
+        for step, attention, drafter_attention in MODES:
             t0 = time.time()
             name = f"{step}-{attention}-{str(dtype).removeprefix('torch.')}"
+            # the drafter's runner asks static_drafter.flex_attention_for: answer it alone
+            static_drafter.flex_attention_for = (flex_attention_for if drafter_attention is None else
+                                                 (lambda compiled, dtype, attention, a=drafter_attention: a == "flex"))
+            if drafter_attention:
+                name += f"-drafter_{drafter_attention}"
             s = EvalSettings(max_new_tokens=a.max_new_tokens, num_prompts=a.prompts, methods=["dflash", "ar"],
                              target_step=step, attention=attention, lossless="report")
             try:
