@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated torch dtypes")
     a = ap.parse_args(argv)
     import torch
 
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
     flex_attention_for = static_drafter.flex_attention_for
 
     out_dir = Path(tempfile.mkdtemp(prefix="eval_modes_"))
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in [getattr(torch, d) for d in a.dtypes.split(",")]:
         for step, attention, drafter_attention in MODES:
             t0 = time.time()
             name = f"{step}-{attention}-{str(dtype).removeprefix('torch.')}"
