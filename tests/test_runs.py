@@ -13,7 +13,7 @@ import sys
 import pandas as pd
 import pytest
 
-from conftest import REPO, mini_config, planned_rules, sha256, snakemake, snakemake_env, write_config
+from conftest import REPO, mini_config, planned_after_edit, planned_rules, sha256, snakemake, snakemake_env, write_config
 
 RUNS = {"a": {}, "b": {"seed": 1}}
 PER_RUN = {"train", "export", "evaluate", "tables", "plots"}
@@ -90,6 +90,15 @@ def test_two_runs_share_the_data_and_train_a_drafter_each(two_runs, tmp_path):
         assert recipes[f"{f}_min"][0] <= recipes[f"{f}_mean"][0] <= recipes[f"{f}_max"][0]
         assert recipes[f"{f}_mean"][0] == pytest.approx(per_run[f].mean())
     assert (r / "plots/runs.png").stat().st_size > 10_000 and jobs.count("compare") == 1
+    # per turn and category: math_heldout has neither, so the tables are their header and the plot says so
+    from dflashpipe.stages.compare import GROUP_FIGURES, GROUP_KEYS, GROUP_RECIPE_COLUMNS
+
+    assert (r / "runs/a/tables/eval_groups.csv").is_file()  # what compare read, the tables job's
+    groups = pd.read_csv(r / "tables/runs_groups.csv")
+    assert list(groups.columns) == ["run", "recipe", "seed", *GROUP_KEYS, *GROUP_FIGURES] and groups.empty
+    recipe_groups = pd.read_csv(r / "tables/recipes_groups.csv")
+    assert list(recipe_groups.columns) == ["recipe", *GROUP_KEYS, "runs", "n_runs", *GROUP_RECIPE_COLUMNS]
+    assert recipe_groups.empty and (r / "plots/runs_groups.png").stat().st_size > 5_000
 
 
 def test_editing_adding_and_removing_runs(runs_copy):
@@ -115,6 +124,8 @@ def test_editing_adding_and_removing_runs(runs_copy):
     assert {f: sha256(f) for f in (work / "results/runs/b").rglob("*.safetensors")} == kept and kept
     # every run trains on the new data
     assert plans["longer"] == DATA_PLAN | {rule: 2 for rule in PER_RUN} | COMPARE | RECORD, plans["longer"]
+    # the comparison's code changed: its tables and plots only, every run's stages as they were
+    assert planned_after_edit(work, work / "config.yaml", "stages/compare.py") == {"compare", "all"}
 
 
 def test_a_killed_run_resumes_and_the_other_runs_outputs_stay(runs_copy):
@@ -163,6 +174,90 @@ def test_the_recipes_table_groups_the_runs_that_differ_only_in_their_seed(tmp_pa
     assert table.loc["config", "n_runs"] == 2 and table.loc["config", "runs"] == "a b"
     assert (table.loc["config", "tau_pooled_mean"], table.loc["config", "tau_pooled_min"], table.loc["config", "tau_pooled_max"]) == (3.0, 2.0, 4.0)
     assert table.loc["x", "n_runs"] == 1 and table.loc["x", "speedup_vs_ar_min"] == table.loc["x", "speedup_vs_ar_max"] == 2.0
+
+
+def _run_files(folder, sets: dict, tau: float, train: dict) -> dict:
+    """A run's eval.csv, eval_groups.csv (by the tables job's own builder) and training summary, from
+    ``sets``: eval set -> its summary's DFlash ``turns`` and ``categories`` (group -> (speed-up, ci low, ci high))."""
+    from dflashpipe.stages.tables import eval_tables, group_table, write_csv
+
+    folder.mkdir(parents=True)
+    ar = {"n_prompts": 2, "n_samples": 4, "tau_pooled": 1.0, "speedup_vs_ar": 1.0, "speedup_vs_ar_ci_low": 1.0,
+          "speedup_vs_ar_ci_high": 1.0}
+    summaries = {}
+    for name, groups in sets.items():
+        s = {"methods": {"dflash": {"tau_pooled": tau, "tau_mean": tau, "speedup_vs_ar": 1.5}, "ar": ar}}
+        for entry, by_group in groups.items():
+            s[entry] = {g: {"ar": ar, "dflash": {"n_prompts": 2, "n_samples": 2, "tau_pooled": tau + sp, "speedup_vs_ar": sp,
+                                                 "speedup_vs_ar_ci_low": low, "speedup_vs_ar_ci_high": high}}
+                        for g, (sp, low, high) in by_group.items()}
+        summaries[name] = folder / f"{name}.summary.json"
+        summaries[name].write_text(json.dumps(s))
+    (folder / "summary.json").write_text(json.dumps(train))
+    write_csv(eval_tables({k: str(v) for k, v in summaries.items()})[0], folder / "eval.csv")
+    write_csv(group_table({k: str(v) for k, v in summaries.items()}), folder / "eval_groups.csv")
+    return {"eval": str(folder / "eval.csv"), "summary": str(folder / "summary.json"),
+            "groups": str(folder / "eval_groups.csv")}
+
+
+def test_the_runs_groups_tables_and_plot_compare_runs_per_turn_and_category(tmp_path, monkeypatch):
+    """runs_groups.csv: each run's DFlash rows of its eval_groups.csv (never AR's), with its recipe and seed;
+    recipes_groups.csv: per recipe and group, the mean, min and max over its seeds, and the span of the runs'
+    own intervals; runs_groups.png: a row of panels per set with groups. Without groups: the header and a
+    figure that says so."""
+    from dflashpipe.stages import compare, plots
+
+    drawn, save = [], plots.save_png
+    monkeypatch.setattr(plots, "save_png", lambda fig, path: (drawn.append(fig), save(fig, path)))
+    runs = {"a": {}, "b": {"seed": 1}, "c": {"train": {"loss": "ce"}, "seed": 4}}
+    files = {}
+    for k, run in enumerate(runs):  # run a: 1.1x on turn 1, b: 1.3x, c: 2.3x; turn 2 and the categories 0.1x more
+        sp = 1.1 + 0.2 * k + (0.8 if run == "c" else 0)
+        groups = {"turns": {"1": (sp, sp - 0.3, sp + 0.3), "2": (sp + 0.1, sp - 0.2, sp + 0.4)},
+                  "categories": {"writing": (sp + 0.1, sp - 0.5, sp + 0.5), "math": (sp + 0.1, None, None)}}
+        files[run] = _run_files(tmp_path / run, {"math_heldout": {}, "mt_bench": groups}, 2.0,
+                                {"heldout_sim_tau": 2.5, "steps": 6, "total_seconds": 10.0, "world_size": 2})
+    out = {name: str(tmp_path / f"{name}.{'png' if 'plot' in name else 'csv'}")
+           for name in ("runs", "recipes", "plot", "runs_groups", "recipes_groups", "groups_plot")}
+    pick = lambda what: {run: f[what] for run, f in files.items()}  # noqa: E731
+    compare.write_compare(runs, 0, pick("eval"), pick("summary"), pick("groups"), out, log=lambda _: None)
+
+    per_run = pd.read_csv(out["runs_groups"])
+    assert list(zip(per_run["run"], per_run["group_kind"], per_run["group"])) == [
+        (run, kind, group) for run in runs for kind, group in (("turn", "1"), ("turn", "2"), ("category", "writing"),
+                                                              ("category", "math"))]
+    assert set(per_run["dataset"]) == {"mt_bench"} and list(per_run["seed"].drop_duplicates()) == [0, 1, 4]
+    a = per_run[per_run["run"] == "a"].set_index("group")
+    assert a.loc["1", "speedup_vs_ar"] == pytest.approx(1.1) and a.loc["1", "tau_pooled"] == pytest.approx(3.1)
+    assert (a.loc["1", "speedup_ci_low"], a.loc["1", "speedup_ci_high"]) == pytest.approx((0.8, 1.4))
+    assert a.loc["writing", "n_samples"] == 2 and pd.isna(a.loc["math", "speedup_ci_low"])
+
+    recipes = pd.read_csv(out["recipes_groups"]).set_index(["recipe", "group"])
+    assert recipes.loc[("config", "1"), "runs"] == "a b" and recipes.loc[("config", "1"), "n_runs"] == 2
+    config_turn1 = recipes.loc[("config", "1")]
+    assert (config_turn1["speedup_vs_ar_mean"], config_turn1["speedup_vs_ar_min"], config_turn1["speedup_vs_ar_max"]) \
+        == pytest.approx((1.2, 1.1, 1.3))
+    # a's interval's low bound (0.8) to b's high one (1.6): the seeds' spread and each run's own
+    assert (config_turn1["speedup_ci_low_min"], config_turn1["speedup_ci_high_max"]) == pytest.approx((0.8, 1.6))
+    ce = recipes.loc[(compare.recipe_of(runs["c"]), "writing")]
+    assert ce["n_runs"] == 1 and ce["speedup_vs_ar_min"] == ce["speedup_vs_ar_max"] == pytest.approx(2.4)
+
+    fig = drawn[-1]  # runs_groups.png: one set with groups, a speed-up and a tau panel
+    ax_sp, ax_tau = fig.axes  # the speed-up above the tau
+    assert [t.get_text() for t in ax_sp.get_xticklabels()] == ["turn 1", "turn 2", "writing", "math"]
+    assert "mt_bench" in ax_sp.get_title() and "mt_bench" in ax_tau.get_title()
+    bars = {c.get_label(): [p.get_height() for p in c] for c in ax_sp.containers if not c.get_label().startswith("_")}
+    assert bars["config (2 runs)"] == pytest.approx([1.2, 1.3, 1.3, 1.3])
+    assert bars[f"{compare.recipe_of(runs['c'])} (1 run)"] == pytest.approx([2.3, 2.4, 2.4, 2.4])
+    legend = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
+    assert any("95% intervals" in t for t in legend)
+
+    # no set with turns or categories: the tables' header, and a figure that says so
+    for run in runs:
+        files[run] = _run_files(tmp_path / f"single_{run}", {"math_heldout": {}}, 2.0, {"steps": 6})
+    compare.write_compare(runs, 0, pick("eval"), pick("summary"), pick("groups"), out, log=lambda _: None)
+    assert pd.read_csv(out["runs_groups"]).empty and pd.read_csv(out["recipes_groups"]).empty
+    assert "no eval set has several user turns" in drawn[-1].axes[0].get_title()
 
 
 def test_the_data_curve_reads_the_runs_and_committed_reports_together(two_runs, tmp_path, capsys):

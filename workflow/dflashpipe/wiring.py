@@ -83,7 +83,10 @@ class Paths:
         self.concurrency_table = f"{rr}/tables/concurrency.csv"
         self.concurrency_plot = f"{rr}/plots/concurrency.png"
         # the named runs side by side (rule compare; with named runs only)
-        self.compare = {"runs": f"{r}/tables/runs.csv", "recipes": f"{r}/tables/recipes.csv", "plot": f"{r}/plots/runs.png"}
+        # and the same per user turn and per category of the eval sets that have them
+        self.compare = {"runs": f"{r}/tables/runs.csv", "recipes": f"{r}/tables/recipes.csv", "plot": f"{r}/plots/runs.png",
+                        "runs_groups": f"{r}/tables/runs_groups.csv", "recipes_groups": f"{r}/tables/recipes_groups.csv",
+                        "groups_plot": f"{r}/plots/runs_groups.png"}
         # the assisted-generation peer's draft model (with named runs, one per ar_draft settings and seed)
         self.ar_draft = f"{r}/ar_draft/{{ardraft}}" if runs else f"{r}/ar_draft"
 
@@ -464,10 +467,12 @@ class Pipeline:
 
     # -- the runs compared ------------------------------------------------------------------
     def compare_inputs(self) -> dict:
-        """Rule compare's inputs: every run's eval table and training summary, in the config's order."""
+        """Rule compare's inputs: every run's eval table, training summary and table per turn and category
+        (eval_groups.csv), in the config's order."""
         p = self.paths
         return {"eval": [Paths.of_run(p.table("eval"), r) for r in self.run_names],
-                "summaries": [Paths.of_run(p.train_summary, r) for r in self.run_names]}
+                "summaries": [Paths.of_run(p.train_summary, r) for r in self.run_names],
+                "groups": [Paths.of_run(p.table("groups"), r) for r in self.run_names]}
 
     def run_overlays(self) -> list:
         """Rule compare's param: ``[name, overlay]`` of every run, in the config's order."""

@@ -85,7 +85,8 @@ rule plots:
 if paths.runs:
 
     rule compare:
-        """The named runs side by side: per run and eval set, and per recipe (mean, min-max over its seeds)."""
+        """The named runs side by side: per run and eval set, and per recipe (mean, min-max over its seeds); the
+        same per turn and per category of the sets that have them."""
         input:
             **pipeline.compare_inputs(),
         output:
@@ -94,6 +95,13 @@ if paths.runs:
             plot=report(
                 paths.compare["plot"],
                 caption="../report/runs.rst",
+                category="Runs",
+            ),
+            runs_groups=paths.compare["runs_groups"],
+            recipes_groups=paths.compare["recipes_groups"],
+            groups_plot=report(
+                paths.compare["groups_plot"],
+                caption="../report/runs_groups.rst",
                 category="Runs",
             ),
         log:
