@@ -96,6 +96,16 @@ def _since_process_start() -> str:
         return ""
 
 
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling with ``torch.compile`` (Dynamo's frames, Inductor's code and
+    loading it from the compile cache); 0 where nothing was compiled (Dynamo never imported)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    try:
+        return float(utils.calculate_time_spent().get("entire_frame_compile", 0.0)) if utils else 0.0
+    except Exception:  # a torch without the counter: unknown, not a failed job
+        return 0.0
+
+
 @contextlib.contextmanager
 def job(log_path: str | None, threads: int = 1, name: str = "job", outputs=()):
     """Run a job body with stdout/stderr in ``log_path``, progress on the console, one-line user errors.
@@ -136,7 +146,7 @@ def job(log_path: str | None, threads: int = 1, name: str = "job", outputs=()):
         check_code()  # the library of the checkout that planned this job, or one line naming both
         set_threads(threads)
         yield log
-        log(f"{name}: done in {time.time() - t0:.1f}s")
+        log(f"{name}: done in {time.time() - t0:.1f}s, compiling {compile_seconds():.1f}s of it")
     except Exception as err:
         full = disk_full(err)
         if not isinstance(err, UserError) and full is None:
