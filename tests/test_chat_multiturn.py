@@ -1,0 +1,83 @@
+"""The multi-turn chat lever's data (resources/prompts/chat_multiturn_train.jsonl.gz, issue 68): whole ShareGPT
+conversations whose every assistant turn the target writes. Read from the shipped file as the workflow reads it,
+answered by the expansion's turn-by-turn loop with a stand-in backend (no model, no Snakemake run)."""
+
+import gzip
+import json
+
+import pytest
+
+from conftest import PROMPTS, REPO
+from dflashpipe.inputs.data import load_rows, normalize
+from dflashpipe.inputs.turns import turn_plan
+from dflashpipe.stages.expand import ExpandSettings, turn_by_turn
+
+SPEC = {"path": str(PROMPTS / "chat_multiturn_train.jsonl.gz"), "messages_column": "messages"}
+
+
+def _rows(name):
+    with gzip.open(PROMPTS / f"{name}.jsonl.gz", "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def _users(row):
+    return [t["content"] for t in row["messages"] if t["role"] == "user"]
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return _rows("chat_multiturn_train")
+
+
+def test_rows_are_user_null_user_chats_of_two_to_four_turns(rows):
+    """MT-Bench's spelling of a turn the target fills in (an assistant turn with ``"content": null``) between
+    user turns that pass chat_train's filter; about as many user turns (replies to train) as chat_train's 6,000."""
+    assert len(rows) == 2100 and len({r["id"] for r in rows}) == len(rows)
+    mt_bench = _rows("mt_bench")[0]["messages"][1]
+    for row in rows:
+        assert row["source"] == "sharegpt" and row["id"].startswith("sharegpt-") and row["id"].endswith("_0")
+        messages = row["messages"]
+        assert [t["role"] for t in messages] == ["user", "assistant"] * (len(messages) // 2) + ["user"], row["id"]
+        assert all(t == mt_bench for t in messages[1::2]), row["id"]
+        assert all(16 <= len(u) <= 1000 and u.isascii() and u == u.strip() for u in _users(row)), row["id"]
+    turns = sorted({len(_users(r)) for r in rows})
+    assert turns == [2, 3, 4] and sum(len(_users(r)) for r in rows) == 5935
+
+
+def test_no_conversation_of_the_chat_evaluation_sets(rows):
+    heldout, mt_bench = _rows("chat_heldout"), _rows("mt_bench")
+    assert not {r["id"] for r in rows} & {r["id"] for r in heldout}
+    evaluated = {u for r in heldout + mt_bench for u in _users(r)}
+    assert not {u for r in rows for u in _users(r)} & evaluated
+
+
+def test_the_expansion_answers_every_user_turn(rows):
+    """The workflow's reader takes every row; the turn plan answers each user turn and the turn-by-turn loop
+    (a stand-in backend that answers "reply to turn k") fills every null assistant turn with the target's reply."""
+    df, stats = normalize(load_rows(SPEC, "chat_multiturn", REPO), SPEC, "chat_multiturn", 0)
+    assert stats["skipped_total"] == 0 and len(df) == len(rows) and stats["user_turns"] == 5935
+    for prompt, row in zip(df["prompt"], rows):
+        points, n_users, why = turn_plan(prompt, "all")
+        assert why is None and n_users == len(points) == len(_users(row))
+        assert [prompt[i]["content"] for i in points] == _users(row)
+
+    def generate(batch, chunk_seed, progress, num_samples=None):
+        records = []
+        for rid, prompt in zip(batch["id"], batch["prompt"]):
+            k = sum(t["role"] == "user" for t in prompt)
+            reply = f"reply to turn {k}"
+            records.append({"id": rid, "sample": 0, "messages": [dict(t) for t in prompt] + [
+                {"role": "assistant", "content": reply}], "response": reply, "num_prompt_tokens": 1,
+                "num_new_tokens": 1, "finish_reason": "stop", "token_ids": [k]})
+        return records, len(records)
+
+    settings = ExpandSettings(max_new_tokens=8, batch_size=64, chunk_size=512, temperature=0.0)
+    records, new_tokens = turn_by_turn(generate, settings)(df, 0, lambda prompts, tokens: None)
+    assert new_tokens == 5935 and [r["id"] for r in records] == list(df["id"])
+    for record, row in zip(records, rows):
+        n = len(_users(row))
+        assert record["unanswered"] is None and record["user_turns"] == len(record["turns"]) == n
+        messages = record["messages"]
+        assert [t["content"] for t in messages if t["role"] == "user"] == _users(row)
+        assert [t["content"] for t in messages if t["role"] == "assistant"] == [f"reply to turn {k}" for k in range(1, n + 1)]
+
