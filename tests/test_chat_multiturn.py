@@ -6,8 +6,10 @@ import gzip
 import json
 
 import pytest
+import yaml
 
 from conftest import PROMPTS, REPO
+from dflashpipe.config import SCHEMA_PATH, _merge, user_datasets, validate_config
 from dflashpipe.inputs.data import load_rows, normalize
 from dflashpipe.inputs.turns import turn_plan
 from dflashpipe.stages.expand import ExpandSettings, turn_by_turn
@@ -81,3 +83,21 @@ def test_the_expansion_answers_every_user_turn(rows):
         assert [t["content"] for t in messages if t["role"] == "user"] == _users(row)
         assert [t["content"] for t in messages if t["role"] == "assistant"] == [f"reply to turn {k}" for k in range(1, n + 1)]
 
+
+def test_the_overlay_swaps_chat_and_keeps_smollm2s_other_datasets():
+    """A datasets section replaces the earlier files' whole, so the overlay repeats config/smollm2.yaml's: the
+    two stay in step, chat_train swapped for the multi-turn file, everything else as the run without the lever."""
+    base = yaml.safe_load((REPO / "config" / "smollm2.yaml").read_text())
+    lever = yaml.safe_load((REPO / "config" / "smollm2_chat_multiturn.yaml").read_text())
+    assert set(lever) == {"datasets", "tokenize"} and lever["tokenize"] == {"buckets": [*base["tokenize"]["buckets"], 2048]}
+    expected = {k: v for k, v in base["datasets"].items() if k != "chat"}
+    expected["chat_multiturn"] = {**base["datasets"]["chat"], "path": "resources/prompts/chat_multiturn_train.jsonl.gz"}
+    assert lever["datasets"] == expected
+    assert list(lever["datasets"]) == [("chat_multiturn" if k == "chat" else k) for k in base["datasets"]]
+    # merged as the workflow merges them (the last datasets section whole, the rest key by key): a valid config
+    files = [REPO / "config" / "smollm2.yaml", REPO / "config" / "smollm2_chat_multiturn.yaml"]
+    merged = _merge(_merge(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), base), lever)
+    merged["datasets"] = user_datasets(files)
+    merged = validate_config(merged, str(SCHEMA_PATH), "smollm2 + chat_multiturn")
+    assert "chat" not in merged["datasets"] and merged["tokenize"]["buckets"] == [256, 512, 1024, 2048]
+    assert merged["train"]["repeat"] == {"code": 3, "code_more": 3} and merged["train"]["max_steps"] == 3000
