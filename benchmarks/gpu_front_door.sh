@@ -76,7 +76,7 @@ pack() {
     [ ! -f "$RES/train/summary.json" ] || cp "$RES/train/summary.json" "$out/train_summary$tag.json"
     [ ! -f "$RES/drafter/README.md" ] || cp "$RES/drafter/README.md" "$out/model_card$tag.md"
     # Snakemake's spans of every job, from its log (benchmarks/pipeline_jobs.py)
-    $PY benchmarks/pipeline_jobs.py "$log" --csv "$WORK/pack$tag/jobs.csv" > "$out/jobs$tag.md" 2>&1 || true
+    $PY benchmarks/pipeline_jobs.py "$log" --root . --csv "$WORK/pack$tag/jobs.csv" > "$out/jobs$tag.md" 2>&1 || true
     # Snakemake's benchmark files (the rules that declare one): wall, memory, load, CPU, in the order they ended
     $PY - "$RES" "$WORK/pack$tag/benchmarks.csv" > "$out/benchmarks$tag.md" 2>&1 <<'EOF' || true
 import csv, glob, os, sys
