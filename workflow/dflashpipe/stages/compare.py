@@ -130,17 +130,13 @@ def runs_groups_plot(recipes: pd.DataFrame, path: str) -> None:
     import numpy as np
     from matplotlib.patches import Patch
 
-    from dflashpipe.stages.plots import save_png
+    from dflashpipe.stages.plots import save_png, text_figure
 
     sets = list(dict.fromkeys(recipes["dataset"]))
     if not sets:
-        fig, ax = plt.subplots(figsize=(7, 2.5))
-        ax.set_axis_off()
-        ax.set_title("Runs per turn and per category: no eval set has several user turns or categories")
-        ax.text(0.5, 0.5, "results/tables/runs_groups.csv has no rows: every run's eval sets are single-turn, without "
-                "a category field (each run's eval_groups.csv is empty).", ha="center", va="center", fontsize=8,
-                wrap=True, transform=ax.transAxes)
-        save_png(fig, path)
+        text_figure(path, "Runs per turn and per category: no eval set has several user turns or categories",
+                    "results/tables/runs_groups.csv has no rows: every run's eval sets are single-turn, without a "
+                    "category field (each run's eval_groups.csv is empty).")
         return
     names = list(dict.fromkeys(recipes["recipe"]))
     n_groups = max(len(recipes[recipes["dataset"] == d][["group_kind", "group"]].drop_duplicates()) for d in sets)

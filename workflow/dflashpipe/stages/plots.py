@@ -30,6 +30,15 @@ def save_png(fig, path: str) -> None:
     plt.close(fig)
 
 
+def text_figure(path: str, title: str, text: str, height: float = 2.5) -> None:
+    """A text-only figure where a plot has nothing to draw: its title and why, written as :func:`save_png` does."""
+    fig, ax = plt.subplots(figsize=(7, height))
+    ax.set_axis_off()
+    ax.set_title(title)
+    ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=8, wrap=True, transform=ax.transAxes)
+    save_png(fig, path)
+
+
 def training_curves(training_csv: str, loss_png: str, tokens_png: str, train_summary: str) -> None:
     """Loss (titled with the train.loss that ran) and top-1 accuracy of the global batch vs step (with
     held-out points), and context tokens/s."""
@@ -108,11 +117,7 @@ def _nothing_compiled(stamps: list[str], out_png: str) -> None:
         f"on {first.get('device_name', '?')}: the training step ran eagerly.",
         "The seconds in results/tables/compile.csv time eager first steps, not compiles.",
     ]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.set_axis_off()
-    ax.set_title("Nothing compiled: no cold vs. hot compile to compare")
-    ax.text(0.5, 0.5, "\n".join(lines), ha="center", va="center", fontsize=8, wrap=True, transform=ax.transAxes)
-    save_png(fig, out_png)
+    text_figure(out_png, "Nothing compiled: no cold vs. hot compile to compare", "\n".join(lines), height=4)
 
 
 def tau_speedup(eval_csv: str, out_png: str, method_labels: dict[str, str]) -> None:
@@ -172,12 +177,8 @@ def groups(groups_csv: str, out_png: str) -> None:
     df = df[df["method"] == "dflash"]
     datasets = list(dict.fromkeys(df["dataset"]))
     if not datasets:
-        fig, ax = plt.subplots(figsize=(7, 2.5))
-        ax.set_axis_off()
-        ax.set_title("Per turn and per category: no eval set has several user turns or categories")
-        ax.text(0.5, 0.5, "results/tables/eval_groups.csv has no rows: every eval set is single-turn, without a "
-                "category field.", ha="center", va="center", fontsize=8, wrap=True, transform=ax.transAxes)
-        save_png(fig, out_png)
+        text_figure(out_png, "Per turn and per category: no eval set has several user turns or categories",
+                    "results/tables/eval_groups.csv has no rows: every eval set is single-turn, without a category field.")
         return
     fig, axes = plt.subplots(len(datasets), 1, figsize=(9, 3.4 * len(datasets)), squeeze=False)
     for ax, d in zip(axes[:, 0], datasets):
