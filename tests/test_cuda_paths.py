@@ -26,14 +26,14 @@ else:
 BS = 4
 
 
-def _models(heads: int = 4, kv_heads: int = 2):
+def _models(heads: int = 4, kv_heads: int = 2, head_dim: int = 16, bs: int = BS):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
 
     torch.manual_seed(0)
     cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, head_dim=16, vocab_size=97, max_position_embeddings=512,
+                      num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=97, max_position_embeddings=512,
                       tie_word_embeddings=False)
     target = Qwen3ForCausalLM(cfg)
     with torch.no_grad():
@@ -41,7 +41,7 @@ def _models(heads: int = 4, kv_heads: int = 2):
             if p.dim() > 1:
                 p.normal_(0.0, 0.5)
     target = target.to("cuda", torch.float64).eval()
-    dcfg = DrafterConfig.from_target_config(cfg, 2, BS, 96, arch="dflash")
+    dcfg = DrafterConfig.from_target_config(cfg, 2, bs, 96, arch="dflash")
     drafter = DFlashDrafter(dcfg)
     with torch.no_grad():
         for p in drafter.parameters():
@@ -82,16 +82,18 @@ def test_flex_steps_read_only_their_live_key_blocks_and_decode_like_the_eager_lo
     the drafter's draft give the eager loops' tokens over contexts of one and two key blocks (2 query heads per
     key/value head, and 3 as SmolLM2 has), so a live-block count too low would hide context. One too high reads
     masked keys only (a cost, not an error): the prefill's SDPA reads the whole cache, so no poisoned position
-    past the live blocks can tell."""
+    past the live blocks can tell. The drafts must be the eager drafter's too (their acceptance, within a few
+    float32 near-ties): lossless tokens alone hid a draft that flex's decoding kernel got wrong at the tiny
+    target's shapes (head_dim 32, blocks of 6; torch 2.11 on an H100: tau 1.44 against 3.62)."""
     from dflashpipe.decode.speculative import ARDecoder, DFlashDecoder, TargetRunner, drafter_runner, target_runner
     from dflashpipe.decode.static_target import KV_BLOCK
 
-    for heads in (4, 6):
-        target, drafter, dcfg = _models(heads=heads)
+    for heads, head_dim, bs in ((4, 16, BS), (6, 16, BS), (4, 32, 6)):
+        target, drafter, dcfg = _models(heads=heads, head_dim=head_dim, bs=bs)
         target, drafter = target.float(), drafter.float()
         ends, capacity = [7], 4 * KV_BLOCK
         step = target_runner(target, "compiled", None, capacity, graph_sizes=(1,))
-        verify = target_runner(target, "compiled", dcfg.target_layer_ids, capacity, graph_sizes=(BS,))
+        verify = target_runner(target, "compiled", dcfg.target_layer_ids, capacity, graph_sizes=(bs,))
         draft = drafter_runner(drafter, verify, "compiled", capacity)
         assert step.mode.endswith("+flex") and verify.mode.endswith("+flex") and draft.mode.endswith("+flex")
         ar = ARDecoder(target, ends, runner=step)
@@ -101,7 +103,8 @@ def test_flex_steps_read_only_their_live_key_blocks_and_decode_like_the_eager_lo
             d_ref = DFlashDecoder(target, drafter, dcfg, ends).generate(prompt, 30)
             a, d = ar.generate(prompt, 30), dflash.generate(prompt, 30)
             assert a.tokens == a_ref.tokens == d.tokens == d_ref.tokens, (heads, len(prompt))
-            print(heads, len(prompt), "accepted", d.accepted, "eager", d_ref.accepted)
+            print(heads, head_dim, bs, len(prompt), "accepted", d.accepted, "eager", d_ref.accepted)
+            assert sum(d.accepted) >= 0.9 * sum(d_ref.accepted), (heads, head_dim, bs, len(prompt))
 
 
 def test_batched_decoder_graphs_decode_like_transformers():

@@ -26,7 +26,10 @@ they do (:func:`~dflashpipe.decode.static_target.flex_attention_for`) and no lay
 
 from __future__ import annotations
 
+import functools
+
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 
 from dflashpipe.decode.cuda_graph import capture, round_capacity
 from dflashpipe.decode.layer import fuse_projections, live_block_mask
@@ -65,6 +68,12 @@ class StaticDrafterRunner:
         self.bs = int(cfg.block_size)
         self.flex = flex_attention_for(compile, self.dtype, attention) and windows == {None} and self.bs <= KV_BLOCK
         self.capacity = round_capacity(capacity, KV_BLOCK) if self.flex else int(capacity)
+        if self.flex:  # flex's main kernel, as the target's verify: its decoding kernel (which flex picks for a block of
+            # a few queries) drafted other tokens on an H100 (torch 2.11, the tiny target: held-out math tau 1.44
+            # against 3.62; benchmarks/results/h100_eval_modes/)
+            main = functools.partial(flex_attention, kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
+            for layer in drafter.layers:
+                layer.self_attn.flex_fn = main
         self.verified = cfg.num_drafts + 1  # positions of a verify: the anchor and the drafts
         shape = (1, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
         self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in drafter.layers]
