@@ -20,7 +20,7 @@ interface (``new_cache``, ``extend``, ``propose``). The prompt's context (variab
 length) is written uncaptured. On the CPU nothing is captured. With ``compile`` (the
 target's steps compiled: ``evaluate.target_step`` auto or compiled on a GPU) both pieces
 are compiled before their capture, and the draft attends as the target's steps do: with
-``flex_attention`` (its decoding kernel, the live context blocks and the block's own keys) when
+``flex_attention`` (its main kernel, the live context blocks and the block's own keys) when
 they do (:func:`~dflashpipe.decode.static_target.flex_attention_for`) and no layer has a sliding window.
 """
 

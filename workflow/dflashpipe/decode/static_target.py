@@ -204,7 +204,7 @@ class StaticTargetRunner:
                                                enable_gqa=c.n_kv != c.n_heads)
         else:  # the flex path's BlockMask. A verify (T > 1) runs flex's main kernel: its decoding kernel, with grouped
             # query heads and this mask (which reads the query's row), decoded other tokens than the eager loop
-            # (torch 2.11 on an H200: benchmarks/results/smollm2_h200_s19/); one token, and the drafter's mask, it decodes right
+            # (torch 2.11 on an H200: benchmarks/results/smollm2_h200_s19/), as it drafted for the static drafter (h100_eval_modes/); one token it decodes right
             o = flex_attention(q, k, v, block_mask=mask, scale=layer.self_attn.scaling, enable_gqa=c.n_kv != c.n_heads,
                                kernel_options={"FORCE_USE_FLEX_ATTENTION": True} if q.shape[2] > 1 else None)
         return finish_layer(layer, x, o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
