@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated torch dtypes")
+    ap.add_argument("--only", default=None, help="the modes whose name starts with this (e.g. compiled-auto-bfloat16)")
     a = ap.parse_args(argv)
     import torch
 
@@ -60,6 +61,8 @@ def main(argv=None) -> int:
                                             if drafter_attention == "flex_main" else flex_attention)
             if drafter_attention:
                 name += f"-drafter_{drafter_attention}"
+            if a.only and not name.startswith(a.only):
+                continue
             s = EvalSettings(max_new_tokens=a.max_new_tokens, num_prompts=a.prompts, methods=["dflash", "ar"],
                              target_step=step, attention=attention, lossless="report")
             try:
