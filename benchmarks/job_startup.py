@@ -62,7 +62,8 @@ def main() -> None:
     import torch.nn.attention.flex_attention  # noqa: F401
 
     step("import flex_attention (torch._dynamo)")
-    from dflashpipe.drafter import export, model as drafter_model  # noqa: F401
+    from dflashpipe.drafter import model as drafter_model  # noqa: F401
+    from dflashpipe.export import write  # noqa: F401
 
     step("import the drafter and its export")
     print(json.dumps({"seconds": seconds, "total_s": round(time.perf_counter() - T0, 3),
