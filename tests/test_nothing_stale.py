@@ -109,26 +109,35 @@ def test_a_rebuilt_input_of_the_same_content_recomputes_nothing(mini_copy):
     assert "no step is trained" in _last_run(r / "logs/train/train.log")
     assert planned_rules(work, "--configfile", str(cfg)) == {}
 
-    res = run(work, cfg, "--forcerun", "evaluate")
+    res = run(work, cfg, "results/eval/math_heldout.summary.json", "--forcerun", "evaluate")  # not what follows it
     assert res.returncode == 0, res.stderr[-3000:]
     evaluated = _last_run(r / "logs/evaluate/math_heldout.log")
     assert "restored" not in evaluated and "leased slot" in evaluated
 
 
-@pytest.fixture
-def given_target(mini_copy):
-    """The mini run's tiny target copied out as a user's target.path, with its prompts, fingerprint and
-    expansion made (the first jobs that read the target)."""
-    work, _ = mini_copy
-    target = work / "my_target"
-    shutil.copytree(work / "results/target/model", target)
+@pytest.fixture(scope="module")
+def given_target_run(mini_run, tmp_path_factory) -> Path:
+    """A copy of the mini run with its tiny target copied out as a user's target.path, and its prompts,
+    fingerprint and expansion made (the first jobs that read the target): once for the module."""
+    src, _ = mini_run
+    work = tmp_path_factory.mktemp("given") / "wf"
+    shutil.copytree(src, work, symlinks=True)
+    shutil.copytree(work / "results/target/model", work / "my_target")
     cfg = yaml.safe_load((work / "config.yaml").read_text())
     cfg["target"]["path"] = "my_target"
     given = work / "given.yaml"
     given.write_text(yaml.safe_dump(cfg))
     res = run(work, given, "results/expanded/math.parquet")
     assert res.returncode == 0, res.stderr[-3000:]
-    return work, given, target
+    return work
+
+
+@pytest.fixture
+def given_target(given_target_run, tmp_path):
+    """A private copy of ``given_target_run`` (results, Snakemake metadata and the target) for a test to change."""
+    work = tmp_path / "wf"
+    shutil.copytree(given_target_run, work, symlinks=True)
+    return work, work / "given.yaml", work / "my_target"
 
 
 def test_a_target_is_read_by_content_and_a_dry_run_writes_nothing(given_target):
