@@ -105,9 +105,10 @@ def main(argv=None) -> int:
         print(f"{a.log}: no finished job found", file=sys.stderr)
         return 1
     for r in rows:
-        logs = r.pop("logs")
+        split = cost_split(r, a.root) if a.root else {}
+        r.pop("logs")
         if a.root:
-            r |= {"startup_s": None, "compile_s": None, "work_s": None} | cost_split({**r, "logs": logs}, a.root)
+            r |= {"startup_s": None, "compile_s": None, "work_s": None} | split
     wall = max(r["start_s"] + r["seconds"] for r in rows)
     print(f"{len(rows)} jobs, {wall:.0f} s from the first job's start to the last one's end\n")
     split = ["startup_s", "compile_s", "work_s"] if a.root else []
