@@ -528,3 +528,69 @@ def test_static_drafter_hides_rejected_positions_like_the_growing_cache(which, a
             runner.extend(cache, feats, n - 1, keep)
         n += keep
     assert len(drafts) > 1  # the drafts depend on the context: a real comparison
+
+
+
+@pytest.mark.parametrize("which", ["sharp", "sharp_dspark"])
+def test_step_ahead_loop_stops_where_the_host_loop_does(which, request):
+    """Greedy with the static runners, the loop launches a step before it reads the one before (the accepted
+    length, the bonus token and the next position stay on the device). With drafts that accept every length
+    0..D, at every length limit and with an end token at each place of the output (inside the accepted
+    drafts, as the bonus), it returns what the loop that reads every step back returns: the tokens, each
+    step's counts, the stop reason; and it refuses a cache too small as that loop does."""
+    from dflashpipe.decode.speculative import drafter_runner
+    from dflashpipe.decode.static_drafter import StaticDrafterRunner
+    from dflashpipe.decode.static_target import StaticTargetRunner
+
+    target, tok, drafter, cfg = request.getfixturevalue(which)
+    D, V = cfg.num_drafts, target.config.vocab_size
+    prompt = encode(tok, PROMPTS["p-apples"])
+    reference = torch.tensor(ARDecoder(target, []).generate(prompt, 40 + 2 * BS).tokens)
+    wrong = torch.randint(0, D + 2, (len(reference),), generator=torch.Generator().manual_seed(0))  # D, D+1: none
+
+    class Drafts(StaticDrafterRunner):
+        """The real static drafter runs; its drafts are replaced by the target's own continuation with one
+        position wrong that moves with the step (so a step accepts 0..D), computed from n on the device."""
+
+        launched = 0
+
+        def propose(self, cache, n, last):
+            self.launched += 1
+            super().propose(cache, n, last)
+            done = torch.as_tensor(n) - len(prompt)  # output tokens so far: the next is reference[done]
+            k = torch.arange(D)
+            return torch.where(k == wrong[done], (reference[done + k] + 1) % V, reference[done + k])
+
+    def decoders(capacity):
+        static = StaticTargetRunner(target, cfg.target_layer_ids, capacity=capacity, graph_sizes=(1, D + 1))
+        real = drafter_runner(drafter, static, "auto", capacity=capacity)
+        draft = Drafts(drafter, static.embed, static.lm_head, cfg.mask_token_id, capacity)
+        assert draft.mode == real.mode
+        return (DFlashDecoder(target, drafter, cfg, [], runner=static, draft_runner=draft),
+                DFlashDecoder(target, drafter, cfg, [], runner=static, draft_runner=draft, pipelined=False))
+
+    ahead, host = decoders(256)
+    assert ahead.pipelined and not host.pipelined
+
+    def record(r):
+        return r.tokens, r.accepted, r.committed, r.committed_raw, r.target_forwards, r.stop_reason
+
+    def steps_ahead(max_new):  # (the result, the steps it launched)
+        ahead.draft.launched = 0
+        return ahead.generate(prompt, max_new), ahead.draft.launched
+
+    whole, launched = steps_ahead(40)
+    assert set(whole.accepted) == set(range(D + 1)) and whole.tokens == reference[:40].tolist()
+    assert record(whole) == record(host.generate(prompt, 40)) and launched == whole.target_forwards
+    for max_new in (1, 2, 3, 5, 8, 13, 21):  # none launched past the length limit
+        r, launched = steps_ahead(max_new)
+        assert record(r) == record(host.generate(prompt, max_new)) and launched == r.target_forwards
+    for stop in dict.fromkeys(whole.tokens[1:16]):  # the first place each token comes
+        ahead.eos_ids = host.eos_ids = [stop]
+        r, launched = steps_ahead(40)
+        assert r.stop_reason == "eos" and record(r) == record(host.generate(prompt, 40))
+        assert launched - r.target_forwards in (0, 1)  # the one step in flight past the end token, dropped
+    ahead.eos_ids = host.eos_ids = []
+    for dec in decoders(len(prompt) + 12):
+        with pytest.raises(ValueError, match="exceeds? the cache capacity"):
+            dec.generate(prompt, 40)
