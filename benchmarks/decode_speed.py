@@ -1,7 +1,8 @@
 """Decoding speed at Qwen3-8B shapes on one GPU: the evaluation's batch-1 loops and batched regeneration.
 
 A Qwen3-8B-shaped target (36 layers, hidden 4096, GQA 32/8, vocab 151936; random
-bf16 weights: speed does not depend on them) and the paper's 5-layer drafter.
+bf16 weights: speed does not depend on them) and the paper's 5-layer drafter; ``--shapes smollm2``:
+SmolLM2-135M-Instruct's shapes instead (config/smollm2.yaml's target).
 
 Batch 1 (the evaluation harness; 200-token prompt, ``--new`` new tokens):
 
@@ -60,7 +61,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from train_throughput import QWEN3_8B, TINY, build_target  # noqa: E402
+from train_throughput import QWEN3_8B, SMOLLM2, TINY, build_target  # noqa: E402
+
+SHAPES = {"qwen3_8b": QWEN3_8B, "smollm2": SMOLLM2, "tiny": TINY}
 
 GIB = 2**30
 
@@ -457,7 +460,9 @@ def explain_step(target, dev) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--tiny", action="store_true", help="the same as --shapes tiny")
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3_8b",
+                    help="the target's shapes (random weights): smollm2 is config/smollm2.yaml's target (use --block-size 8)")
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--new", type=int, default=128)
@@ -488,7 +493,10 @@ def main() -> None:
     a = ap.parse_args()
     dev = a.device
     set_inductor(a.inductor)
-    shapes = TINY if a.tiny else QWEN3_8B
+    if a.tiny:
+        a.shapes = "tiny"
+    a.tiny = a.shapes == "tiny"
+    shapes = SHAPES[a.shapes]
     target, tcfg = build_target(shapes, 2048, a.block_size, dev)
     import transformers
 
