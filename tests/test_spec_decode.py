@@ -561,10 +561,10 @@ def test_step_ahead_loop_stops_where_the_host_loop_does(which, request):
             k = torch.arange(D)
             return torch.where(k == wrong[done], (reference[done + k] + 1) % V, reference[done + k])
 
-    def decoders(capacity):
+    def decoders(capacity, oracle=True):
         static = StaticTargetRunner(target, cfg.target_layer_ids, capacity=capacity, graph_sizes=(1, D + 1))
         real = drafter_runner(drafter, static, "auto", capacity=capacity)
-        draft = Drafts(drafter, static.embed, static.lm_head, cfg.mask_token_id, capacity)
+        draft = Drafts(drafter, static.embed, static.lm_head, cfg.mask_token_id, capacity) if oracle else real
         assert draft.mode == real.mode
         return (DFlashDecoder(target, drafter, cfg, [], runner=static, draft_runner=draft),
                 DFlashDecoder(target, drafter, cfg, [], runner=static, draft_runner=draft, pipelined=False))
@@ -591,6 +591,15 @@ def test_step_ahead_loop_stops_where_the_host_loop_does(which, request):
         assert r.stop_reason == "eos" and record(r) == record(host.generate(prompt, 40))
         assert launched - r.target_forwards in (0, 1)  # the one step in flight past the end token, dropped
     ahead.eos_ids = host.eos_ids = []
-    for dec in decoders(len(prompt) + 12):
-        with pytest.raises(ValueError, match="exceeds? the cache capacity"):
-            dec.generate(prompt, 40)
+    refused = set()
+    for room in range(len(prompt) + 10, len(prompt) + 30):  # caches near the end: both finish, or both refuse
+        outcomes = []  # the real drafter: its steps in flight accept less than they might, so a bound
+        for dec in decoders(room, oracle=False):  # that counts them whole would refuse too soon
+            try:
+                outcomes.append(record(dec.generate(prompt, 20)))
+            except ValueError as e:
+                assert "the cache capacity" in str(e)
+                outcomes.append("refused")
+        assert outcomes[0] == outcomes[1], room
+        refused.add(outcomes[0] == "refused")
+    assert refused == {True, False}

@@ -395,8 +395,8 @@ class DFlashDecoder:
         (the accepted length, the bonus token, the next anchor's position: :meth:`_step_on_device`), so the
         host launches step k+1 and only then reads step k's tokens, whose copy to pinned memory overlapped
         the work. The stop rule then runs over them as in the host loop, so the outputs are the same. A
-        step launched past an end token is dropped (it is timed); none is launched past the length limit:
-        while the step in flight may reach ``max_new_tokens`` the host reads it first.
+        step launched past an end token is dropped (it is timed); none is launched past the length limit or
+        the caches' end: while the step in flight may reach either, the host reads it first.
         """
         dev, D, bs = self.target.device, self.n_drafts, self.cfg.block_size
         room = min(self.target.capacity, self.draft.capacity)  # the static caches' positions
@@ -405,11 +405,12 @@ class DFlashDecoder:
         in_flight: list = []  # (tokens [2D+1] on the host: drafts, the target's argmax; their copy's event)
         reason = None
         while reason is None:
-            # the steps in flight might reach the length limit: read them before launching another
-            if len(out) + len(in_flight) * (D + 1) < max_new_tokens:
-                most = P + len(out) + len(in_flight) * (D + 1)  # n's bound at this launch
-                if most - 1 + max(bs, D + 1) > room:
-                    raise ValueError(f"static decoding: position {most - 1 + max(bs, D + 1)} exceeds the cache capacity {room}")
+            ahead = len(in_flight) * (D + 1)  # the most the steps in flight may add to the output
+            end = P + len(out) + ahead - 1 + max(bs, D + 1)  # the positions the next step may write stay below it
+            # read the step in flight first when it might reach the length limit or the caches' end
+            if len(out) + ahead < max_new_tokens and (end <= room or not in_flight):
+                if end > room:  # none in flight: the bound is exact, as the host loop's
+                    raise ValueError(f"static decoding: position {end} exceeds the cache capacity {room}")
                 n, last, packed = self._step_on_device(cache, dcache, n, last)
                 in_flight.append(_to_host(packed))
                 if len(in_flight) < 2:
@@ -447,7 +448,7 @@ def _to_host(t: torch.Tensor):
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(t.device))
     return host, done
 
 
