@@ -13,9 +13,7 @@ Batch 1 (the evaluation harness; 200-token prompt, ``--new`` new tokens):
 * ``verify_*``: one target forward of a 16-token block with context features;
   ``draft_*``: one drafter forward + LM head + argmax; ``dflash_block_*``: a whole DFlash step
   (draft + verify + accept + draft-cache update) from the DFlash loop with a
-  random drafter (which accepts nothing, so every step is one block; with the static
-  steps also ``..._read_each_step``: the loop that reads each step back before it
-  launches the next, as before the step-ahead loop); the drafter's
+  random drafter (which accepts nothing, so every step is one block); the drafter's
   side runs eager with the dynamic target step and captured (CUDA graphs:
   :mod:`dflashpipe.decode.static_drafter`) with the static ones;
 * the memory-bound limit: the target's weight bytes over the copy bandwidth
@@ -187,11 +185,6 @@ def batch1(a, target, tcfg, dev) -> dict:
         res[f"dflash_block_{name}_ms"] = 1e3 * float(np.median([x.decode_s / x.verify_steps for x in r]))
         res[f"dflash_mean_accepted_{name}"] = float(np.mean([np.mean(x.accepted) for x in r]))
         res[f"{name}_seconds_incl_capture"] = time.perf_counter() - t0
-        if dec.pipelined:  # the baseline: the loop that reads every step back before it launches the next
-            dec.pipelined = False
-            r = [dec.generate(prompt, new) for _ in range(3)]
-            res[f"dflash_block_{name}_read_each_step_ms"] = 1e3 * float(np.median([x.decode_s / x.verify_steps for x in r]))
-            dec.pipelined = True
         res[f"drafter_step_{name}"] = dec.draft.mode
         dcache = dec.draft.new_cache()
         feats = torch.randn(1, P, len(dcfg.target_layer_ids) * tcfg.hidden_size, device=dev, dtype=target.dtype)

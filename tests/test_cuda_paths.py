@@ -66,16 +66,13 @@ def test_captured_target_and_drafter_steps_decode_like_the_eager_loop():
         assert verify.mode.startswith("static+cuda_graphs")
         dflash = DFlashDecoder(target, drafter, dcfg, ends, runner=verify, draft_runner=drafter_runner(drafter, verify, step, 256))
         assert dflash.draft.mode == verify.mode.removesuffix("+fused")  # the drafter's pieces compiled when the target's steps are
-        # the same runners read back every step before launching the next (the step-ahead loop's baseline)
-        each = DFlashDecoder(target, drafter, dcfg, ends, runner=verify, draft_runner=dflash.draft, pipelined=False)
-        assert dflash.pipelined and not each.pipelined
         accepted = []
         for prompt in _prompts(target.config.vocab_size):  # the first prompt meets fresh graphs
             a_ref = ARDecoder(target, ends, runner=TargetRunner(target)).generate(prompt, 30)
             d_ref = DFlashDecoder(target, drafter, dcfg, ends).generate(prompt, 30)
-            a, d, e = ar.generate(prompt, 30), dflash.generate(prompt, 30), each.generate(prompt, 30)
-            assert a.tokens == a_ref.tokens == d.tokens == d_ref.tokens == e.tokens, step
-            assert d.accepted == d_ref.accepted == e.accepted and d.stop_reason == e.stop_reason, step
+            a, d = ar.generate(prompt, 30), dflash.generate(prompt, 30)
+            assert a.tokens == a_ref.tokens == d.tokens == d_ref.tokens, step
+            assert d.accepted == d_ref.accepted, step
             accepted += d.accepted
         assert len(set(accepted)) > 1  # drafts were accepted and rejected: rollback exercised
 

@@ -291,8 +291,7 @@ class DFlashDecoder:
     methods so tests can substitute an oracle drafter or a broken verifier.
     """
 
-    def __init__(self, target_model, drafter, drafter_cfg, eos_ids: list[int], runner=None, draft_runner=None,
-                 pipelined: bool = True):
+    def __init__(self, target_model, drafter, drafter_cfg, eos_ids: list[int], runner=None, draft_runner=None):
         tc = target_model.config.get_text_config() if hasattr(target_model.config, "get_text_config") else target_model.config
         if int(tc.hidden_size) != drafter_cfg.hidden_size or int(tc.num_hidden_layers) != drafter_cfg.num_target_layers:
             raise UserError(
@@ -307,10 +306,6 @@ class DFlashDecoder:
         self.n_drafts = drafter_cfg.num_drafts
         self.eos_ids = list(eos_ids)
         self.draft = draft_runner or DrafterRunner(drafter, self.target.embed, self.target.lm_head, drafter_cfg.mask_token_id)
-        # greedy with both sides static: the steps' bookkeeping on the device, one step in flight (_generate_ahead)
-        self.pipelined = (pipelined and getattr(self.target, "mode", "dynamic") != "dynamic"
-                          and getattr(self.draft, "mode", "eager") != "eager"
-                          and type(self)._propose is DFlashDecoder._propose and type(self)._accept is DFlashDecoder._accept)
 
     # -- one step, split for testing ----------------------------------------
 
@@ -363,8 +358,6 @@ class DFlashDecoder:
         sync(dev)
         t1 = time.perf_counter()
         res = DecodeResult(tokens=out, prompt_tokens=P)
-        if reason is None and temperature <= 0 and self.pipelined:
-            reason = self._generate_ahead(cache, dcache, P, out, res, max_new_tokens)
         seq = list(prompt_ids) + out
         while reason is None:
             n = len(seq)  # target cache holds n-1 positions; seq[-1] sits at position n-1
@@ -385,71 +378,6 @@ class DFlashDecoder:
         sync(dev)
         res.prefill_s, res.decode_s, res.stop_reason = t1 - t0, time.perf_counter() - t1, reason
         return res
-
-
-    def _generate_ahead(self, cache, dcache, P: int, out: list[int], res: DecodeResult, max_new_tokens: int) -> str:
-        """The greedy loop with the static runners, one step ahead of the host: returns why the output ended.
-
-        The host loop reads every step back (the drafts and the target's argmax) before it can launch the
-        next, so the GPU waits on Python between steps. Here the step's bookkeeping stays on the device
-        (the accepted length, the bonus token, the next anchor's position: :meth:`_step_on_device`), so the
-        host launches step k+1 and only then reads step k's tokens, whose copy to pinned memory overlapped
-        the work. The stop rule then runs over them as in the host loop, so the outputs are the same. A
-        step launched past an end token is dropped (it is timed); none is launched past the length limit or
-        the caches' end: while the step in flight may reach either, the host reads it first.
-        """
-        dev, D, bs = self.target.device, self.n_drafts, self.cfg.block_size
-        room = min(self.target.capacity, self.draft.capacity)  # the static caches' positions
-        n = torch.full((), P + len(out), dtype=torch.long, device=dev)  # tokens so far; the anchor sits at n - 1
-        last = torch.full((1, 1), out[-1], dtype=torch.long, device=dev)
-        in_flight: list = []  # (tokens [2D+1] on the host: drafts, the target's argmax; their copy's event)
-        reason = None
-        while reason is None:
-            ahead = len(in_flight) * (D + 1)  # the most the steps in flight may add to the output
-            end = P + len(out) + ahead - 1 + max(bs, D + 1)  # the positions the next step may write stay below it
-            # read the step in flight first when it might reach the length limit or the caches' end
-            if len(out) + ahead < max_new_tokens and (end <= room or not in_flight):
-                if end > room:  # none in flight: the bound is exact, as the host loop's
-                    raise ValueError(f"static decoding: position {end} exceeds the cache capacity {room}")
-                n, last, packed = self._step_on_device(cache, dcache, n, last)
-                in_flight.append(_to_host(packed))
-                if len(in_flight) < 2:
-                    continue
-            host, done = in_flight.pop(0)
-            if done is not None:
-                done.synchronize()
-            both = host.tolist()
-            d, y = both[:D], both[D:]
-            a = _matching_prefix([x == t for x, t in zip(d, y)])
-            kept, reason = cut_step(d[:a] + [y[a]], len(out), max_new_tokens, self.eos_ids)
-            out.extend(kept)
-            res.target_forwards += 1
-            res.accepted.append(a)
-            res.committed.append(len(kept))
-            res.committed_raw.append(a + 1)
-        return reason
-
-    def _step_on_device(self, cache, dcache, n: torch.Tensor, last: torch.Tensor):
-        """One greedy step launched without a read-back: n (0-dim), last [1, 1] on the device ->
-        (the next n, the next anchor, the step's drafts and the target's argmax [2D+1])."""
-        D = self.n_drafts
-        draft = self.draft.propose(dcache, n, last)  # [D]
-        logits, feats = self.target.forward(cache, torch.cat([last, draft.view(1, -1)], dim=1), n - 1, features=True)
-        y = logits.argmax(dim=-1)  # [D+1]: the target's token after the anchor and after each draft
-        a = (draft == y[:D]).long().cumprod(0).sum()  # the matching prefix's length
-        self.draft.extend(dcache, feats, n - 1, a + 1)  # the anchor and the accepted drafts become context
-        return n + a + 1, y.gather(0, a.view(1)).view(1, 1), torch.cat([draft, y])
-
-
-def _to_host(t: torch.Tensor):
-    """(a host copy of t, the event its copy completes) for a CUDA tensor; (t, None) elsewhere."""
-    if t.device.type != "cuda":
-        return t, None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(t.device))
-    return host, done
 
 
 #: How the decoders run the target: ``compiled`` (static KV cache, steps compiled and captured as CUDA

@@ -155,34 +155,24 @@ class StaticDrafterRunner:
         return self  # one cache: ``valid`` says what is context
 
     @torch.no_grad()
-    def extend(self, cache, feats: torch.Tensor, start, keep) -> None:
-        """Context positions start..start+keep-1 from feats [1, T, F] (T >= keep; the rest is written but hidden).
-        A verified block's ``start`` and ``keep`` may be 0-dim tensors on the device (the caller checks the capacity)."""
+    def extend(self, cache, feats: torch.Tensor, start: int, keep: int) -> None:
+        """Context positions start..start+keep-1 from feats [1, T, F] (T >= keep; the rest is written but hidden)."""
         T = feats.shape[1]
-        if not isinstance(start, torch.Tensor) and start + max(T, self.verified) > self.capacity:
+        if start + max(T, self.verified) > self.capacity:
             raise ValueError(f"static drafter step: position {start + T} exceeds the cache capacity {self.capacity}")
         if T == self.verified:
             self.feats.copy_(feats)
-            _put(self.start, start)
+            self.start.fill_(start)
             self._run("extend")
         else:  # the prompt: variable length, uncaptured
             self._write(feats[:, :keep], torch.arange(start, start + keep, device=self.device))
-        _put(self.valid, start + keep)
+        self.valid.fill_(start + keep)
 
     @torch.no_grad()
-    def propose(self, cache, n, last: torch.Tensor) -> torch.Tensor:
-        """Drafts d_1..d_D [D = num_drafts] for the block anchored at position n-1 (token ``last`` [1, 1]);
-        ``n`` may be a 0-dim tensor on the device (the caller checks the capacity)."""
-        if not isinstance(n, torch.Tensor) and n - 1 + self.bs > self.capacity:
+    def propose(self, cache, n: int, last: torch.Tensor) -> torch.Tensor:
+        """Drafts d_1..d_D [D = num_drafts] for the block anchored at position n-1 (token ``last`` [1, 1])."""
+        if n - 1 + self.bs > self.capacity:
             raise ValueError(f"static drafter step: position {n - 1 + self.bs} exceeds the cache capacity {self.capacity}")
         self.last.copy_(last)
-        _put(self.start, n - 1)
+        self.start.fill_(n - 1)
         return self._run("propose")
-
-
-def _put(buffer: torch.Tensor, value) -> None:
-    """buffer = value: an int from the host, or a tensor on the device (copied there, never read back)."""
-    if isinstance(value, torch.Tensor):
-        buffer.copy_(value)
-    else:
-        buffer.fill_(value)

@@ -221,20 +221,12 @@ class StaticTargetRunner:
             self._graphs[key] = [None, torch.zeros((1, T), dtype=torch.long, device=self.device), None]
         entry, pos = self._graphs[key], self.step_pos[T]
         entry[1].copy_(ids)
-        pos.copy_(self._positions(start, T))
+        pos.copy_(torch.arange(start, start + T, device=self.device))
         if new:
             entry[0], entry[2] = capture(lambda: self._captured_step(entry[1], pos, features, last_only=False),
                                          self.device, warmups=3)
         entry[0].replay()
         return entry[2]
-
-    def _positions(self, start, T: int) -> torch.Tensor:
-        """Positions start..start+T-1 on the device; ``start`` an int or a 0-dim tensor there (never read back)."""
-        return torch.arange(T, device=self.device) + start
-
-    @property
-    def capacity(self) -> int:
-        return self.cache.capacity
 
     # -- TargetRunner's interface ------------------------------------------------
 
@@ -245,16 +237,14 @@ class StaticTargetRunner:
         """Verified prefix of ``n`` positions: nothing to do (later positions are masked, then overwritten)."""
 
     @torch.no_grad()
-    def forward(self, cache, ids: torch.Tensor, start, features: bool = False, last_only: bool = False):
-        """As :meth:`TargetRunner.forward`; ``start`` may be a 0-dim tensor on the device (the caller then checks
-        the capacity: reading it back would wait for the GPU)."""
+    def forward(self, cache, ids: torch.Tensor, start: int, features: bool = False, last_only: bool = False):
         T = ids.shape[1]
-        if not isinstance(start, torch.Tensor) and start + T > self.cache.capacity:
+        if start + T > self.cache.capacity:
             raise ValueError(f"static target step: positions up to {start + T} exceed the cache capacity {self.cache.capacity}")
         if self.cuda_graphs and T in self.graph_sizes:
             logits, feats = self._replay(ids, start, features)
             return (logits[-1:] if last_only else logits), feats
-        pos = self._positions(start, T)
+        pos = torch.arange(start, start + T, device=self.device)
         if T in self._flex:  # uncaptured (the CPU's tests): the step's own positions, which its mask reads
             pos = self.step_pos[T].copy_(pos)
         return self._step(ids, pos, features, last_only)
