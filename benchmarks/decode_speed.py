@@ -339,6 +339,50 @@ def gpu_kernels(fn, dev) -> list[dict]:
                    if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
 
 
+def profile_draft(a, target, tcfg, dev, archs=("dflash", "dflash2"), reps: int = 20) -> dict:
+    """Where a draft's time goes (the evaluation's static drafter, compiled and captured on a GPU): per ``arch``
+    (DFlash: argmax; DFlash 2: its selector over each position's top-k, ``--selector-rank``), the draft's time,
+    its kernels per draft, their GPU time by kind, and the longest kernels."""
+    from dflashpipe.decode.speculative import drafter_runner
+    from dflashpipe.decode.static_target import StaticTargetRunner
+    from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
+
+    bs, P = a.block_size, (32 if a.tiny else 200)
+    capacity = P + a.new + 2 * bs
+    verify = StaticTargetRunner(target, None, capacity=capacity, graph_sizes=(bs,), compile=torch.device(dev).type == "cuda")
+    g = torch.Generator().manual_seed(0)
+    last = torch.tensor([[int(torch.randint(0, tcfg.vocab_size - 2, (1,), generator=g))]], device=dev)
+    out = {}
+    for arch in archs:
+        keys = {"selector_rank": a.selector_rank} if arch == "dflash2" else {}
+        dcfg = DrafterConfig.from_target_config(tcfg, a.layers, bs, tcfg.vocab_size - 1, arch=arch, **keys)
+        torch.manual_seed(0)
+        drafter = DFlashDrafter(dcfg).to(dev, target.dtype).eval()
+        draft = drafter_runner(drafter, verify, capacity=capacity)
+        cache = draft.new_cache()
+        feats = torch.randn(1, P, len(dcfg.target_layer_ids) * tcfg.hidden_size, device=dev, dtype=target.dtype)
+        draft.extend(cache, feats, 0, P)
+
+        def drafts(n=reps, draft=draft, cache=cache):
+            for _ in range(n):
+                draft.propose(cache, P + 1, last)
+
+        ms = 1e3 * timed(lambda: drafts(1), dev)
+        kernels = gpu_kernels(drafts, dev)
+        by_kind: dict[str, float] = {}
+        for k in kernels:
+            by_kind[kernel_kind(k["name"])] = by_kind.get(kernel_kind(k["name"]), 0.0) + k["dur"] / reps
+        longest: dict[str, float] = {}
+        for k in kernels:
+            longest[k["name"][:90]] = longest.get(k["name"][:90], 0.0) + k["dur"] / reps
+        out[arch] = {"mode": draft.mode, "draft_ms": ms, "kernels_per_draft": len(kernels) / reps,
+                     "gpu_busy_us": sum(k["dur"] for k in kernels) / reps,
+                     "us_by_kind": {k: round(v, 1) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+                     "longest_us": dict(sorted(((k, round(v, 1)) for k, v in longest.items()), key=lambda kv: -kv[1])[:12])}
+        print(json.dumps({arch: out[arch]}), flush=True)
+    return out
+
+
 def profile_ar(target, tcfg, dev, capacity: int, new: int = 32, P: int = 200) -> dict:
     """:func:`profile_ar_step` with HF's layer modules (the baseline), then with the layers written out
     and their projections fused (the evaluation's default), in this one process. ``capacity``: the
@@ -458,6 +502,7 @@ def main() -> None:
                     help="the target's shapes (random weights): smollm2 is config/smollm2.yaml's target (use --block-size 8)")
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--selector-rank", type=int, default=256, help="profile_draft: DFlash 2's selector rank (config/smollm2.yaml's)")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--batch", type=int, default=64)
@@ -471,7 +516,8 @@ def main() -> None:
     ap.add_argument("--cb-configs", default='[{}]', help="JSON list of ContinuousBatchingConfig kwargs")
     ap.add_argument("--cb-timeout", type=float, default=150)
     ap.add_argument("--parts", default="batch1,expand",
-                    help="comma-separated: batch1, expand, profile_ar (the AR step's GPU kernels: needs CUDA), explain "
+                    help="comma-separated: batch1, expand, profile_ar (the AR step's GPU kernels: needs CUDA), "
+                         "profile_draft (the draft's kernels, DFlash and DFlash 2), explain "
                          "(the static step's Dynamo graph breaks)")
     ap.add_argument("--static-modes", default="static,static_compiled",
                     help="batch1: static, static_compiled (layers written out, projections fused), "
@@ -508,6 +554,8 @@ def main() -> None:
         elif part == "explain":  # the static step's Dynamo graphs and why it breaks
             out["explain"] = explain_step(target, dev)
             print(json.dumps(out["explain"], indent=1), flush=True)
+        elif part == "profile_draft":
+            out["profile_draft"] = profile_draft(a, target, tcfg, dev)
         elif part == "profile_ar":
             P = 32 if a.tiny else 200  # batch1's prompt and cache
             out["profile_ar"] = profile_ar(target, tcfg, dev, P + a.new + 2 * a.block_size, P=P)
