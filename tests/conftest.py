@@ -212,12 +212,28 @@ def mini_copy(mini_run, tmp_path):
 
 
 # appended to a module: a change of what it means (a new module-level name), which the code digests see
-CODE_EDIT = "\n_EDITED_BY_A_TEST = 1\n"
+EDIT_MARK = "_EDITED_BY_A_TEST"  # in every edit planned_after_edit makes, so one left behind is found
+CODE_EDIT = f"\n{EDIT_MARK} = 1\n"
+
+
+def edits_left_behind(root: Path) -> list[Path]:
+    """The files under ``root`` that still hold an edit of :func:`planned_after_edit` (a killed test run's)."""
+    return sorted(p for p in root.rglob("*.py") if EDIT_MARK in p.read_text(errors="replace"))
+
+
+def pytest_sessionstart(session):
+    left = edits_left_behind(REPO / "workflow")
+    if left:
+        raise pytest.UsageError(f"{left[0]}: a killed test run left its edit ({EDIT_MARK}) in the checkout; "
+                                f"restore it (git checkout -- {left[0].relative_to(REPO)}) and run again")
 
 
 def planned_after_edit(workdir: Path, cfg: Path, module: str, edit: str = CODE_EDIT) -> set[str]:
-    """Rules a dry run would execute after appending ``edit`` (a new statement unless told) to a library
-    module, or to a workflow script for ``module="../scripts/x.py"`` (restored after)."""
+    """Rules a dry run would execute after appending ``edit`` (a new statement unless told; it must hold
+    :data:`EDIT_MARK`) to a library module, or to a workflow script for ``module="../scripts/x.py"``
+    (restored after). The checkout's own file is edited: a run killed meanwhile leaves the edit, which the
+    next session refuses to start over (:func:`pytest_sessionstart`)."""
+    assert EDIT_MARK in edit, edit
     path = REPO / "workflow" / "dflashpipe" / module
     original, stat = path.read_text(), path.stat()
     try:

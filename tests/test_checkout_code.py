@@ -131,3 +131,22 @@ def test_a_rank_stopped_because_a_peer_left_is_not_named_as_the_cause(tmp_path):
     logs[0].write_text(f"step 3\ntrain rank 0/2: {STOPPED} (Connection closed by peer [127.0.0.1]:21682. ...)\n")
     logs[1].write_text("step 3\nRuntimeError: a kernel's own failure\n")
     assert _culprit([0, 1], {0: 1, 1: 1}, [str(p) for p in logs], {0: 0, 1: 0}) == 1
+
+
+def test_an_edit_a_killed_test_left_in_the_checkout_stops_the_next_session(tmp_path, monkeypatch):
+    """planned_after_edit edits the checkout's own library file and restores it after; a run killed in
+    between leaves the edit, and every later run would test edited code. The next session refuses to
+    start, naming the file."""
+    import conftest
+
+    lib = tmp_path / "workflow" / "dflashpipe"
+    lib.mkdir(parents=True)
+    (lib / "clean.py").write_text("x = 1\n")
+    assert conftest.edits_left_behind(tmp_path / "workflow") == []
+    monkeypatch.setattr(conftest, "REPO", tmp_path)
+    conftest.pytest_sessionstart(None)  # clean: starts
+    (lib / "edited.py").write_text("x = 1\n" + conftest.CODE_EDIT)
+    assert conftest.edits_left_behind(tmp_path / "workflow") == [lib / "edited.py"]
+    with pytest.raises(pytest.UsageError, match=r"edited\.py: a killed test run left its edit .*git checkout -- "
+                                                 r"workflow/dflashpipe/edited\.py"):
+        conftest.pytest_sessionstart(None)

@@ -273,7 +273,7 @@ def test_a_finished_run_is_not_trained_again_after_a_comment_edit_or_an_x_compil
         if not kw:  # the warm chain reran first
             assert all((work / f"results/warm/slot{i}.json").stat().st_mtime_ns > stamped[i] for i in (0, 1))
 
-    assert planned_after_edit(work, cfg, "drafter/model.py", "\n# a comment: the same drafter\n") == set()
+    assert planned_after_edit(work, cfg, "drafter/model.py", "\n# _EDITED_BY_A_TEST: a comment, the same drafter\n") == set()
     trains_no_step(cfg, forcerun="train")  # asked for again: the same (first: the config's warm chain stays as it is)
     c = mini_config()
     c["train"]["activation_memory_budget"] = 0.5
