@@ -138,10 +138,11 @@ def batch1(a, target, tcfg, dev) -> dict:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, tcfg.vocab_size - 2, (P,), generator=g).tolist()
     mask_id = tcfg.vocab_size - 1
-    dcfg = DrafterConfig.from_target_config(tcfg, a.layers, bs, mask_id, arch="dflash")  # the figures' drafter
+    keys = {"selector_rank": a.selector_rank} if a.arch == "dflash2" else {}
+    dcfg = DrafterConfig.from_target_config(tcfg, a.layers, bs, mask_id, arch=a.arch, **keys)
     torch.manual_seed(0)
     drafter = DFlashDrafter(dcfg).to(dev, target.dtype).eval()
-    res: dict = {"prompt_tokens": P, "new_tokens": new, "block_size": bs, "drafter_layers": a.layers}
+    res: dict = {"prompt_tokens": P, "new_tokens": new, "block_size": bs, "drafter_layers": a.layers, "drafter_arch": a.arch}
 
     ids = torch.tensor([prompt], device=dev)
 
@@ -502,7 +503,10 @@ def main() -> None:
                     help="the target's shapes (random weights): smollm2 is config/smollm2.yaml's target (use --block-size 8)")
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--selector-rank", type=int, default=256, help="profile_draft: DFlash 2's selector rank (config/smollm2.yaml's)")
+    ap.add_argument("--arch", choices=("dflash", "dflash2"), default="dflash",
+                    help="batch1's drafter: DFlash (the paper's, the figures so far) or DFlash 2 (the configs' recipe)")
+    ap.add_argument("--selector-rank", type=int, default=256,
+                    help="DFlash 2's selector rank (config/smollm2.yaml's), for --arch dflash2 and profile_draft")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--batch", type=int, default=64)
