@@ -33,7 +33,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from dflashpipe.decode.cuda_graph import capture, round_capacity
 from dflashpipe.decode.layer import fuse_projections, live_block_mask
-from dflashpipe.decode.static_target import KV_BLOCK, flex_attention_for
+from dflashpipe.decode.static_target import FLEX_MAIN_KERNEL, KV_BLOCK, flex_attention_for
 
 
 def block_masks(drafter, ctx_visible: torch.Tensor, pos: torch.Tensor, ctx_pos: torch.Tensor,
@@ -68,10 +68,8 @@ class StaticDrafterRunner:
         self.bs = int(cfg.block_size)
         self.flex = flex_attention_for(compile, self.dtype, attention) and windows == {None} and self.bs <= KV_BLOCK
         self.capacity = round_capacity(capacity, KV_BLOCK) if self.flex else int(capacity)
-        if self.flex:  # flex's main kernel, as the target's verify: its decoding kernel (which flex picks for a block of
-            # a few queries) drafted other tokens on an H100 (torch 2.11, the tiny target: held-out math tau 1.44
-            # against 3.62; benchmarks/results/h100_eval_modes/)
-            main = functools.partial(flex_attention, kernel_options={"FORCE_USE_FLEX_ATTENTION": True})
+        if self.flex:  # flex's main kernel, as the target's verify (FLEX_MAIN_KERNEL says why)
+            main = functools.partial(flex_attention, kernel_options=FLEX_MAIN_KERNEL)
             for layer in drafter.layers:
                 layer.self_attn.flex_fn = main
         self.verified = cfg.num_drafts + 1  # positions of a verify: the anchor and the drafts

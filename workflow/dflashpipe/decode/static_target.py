@@ -55,6 +55,11 @@ from dflashpipe.drafter.features import has_standard_layout, layer_types_of
 ATTENTION = ("auto", "flex", "sdpa")
 #: positions per key block of the flex path (a static cache's capacity is a multiple of it)
 KV_BLOCK = 128
+#: flex_attention's kernel_options for its main kernel. Flex picks its decoding kernel for a few queries, which
+#: with grouped query heads and these masks decoded other tokens than the eager loop in a verify (torch 2.11, an
+#: H200: benchmarks/results/smollm2_h200_s19/) and drafted others in the static drafter (an H100, the tiny
+#: target: held-out math tau 1.44 against 3.62; h100_eval_modes/); one token it decodes right
+FLEX_MAIN_KERNEL = {"FORCE_USE_FLEX_ATTENTION": True}
 
 
 def flex_attention_for(compiled: bool, dtype, attention: str = "auto") -> bool:
@@ -202,11 +207,9 @@ class StaticTargetRunner:
         if isinstance(mask, torch.Tensor):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.self_attn.scaling,
                                                enable_gqa=c.n_kv != c.n_heads)
-        else:  # the flex path's BlockMask. A verify (T > 1) runs flex's main kernel: its decoding kernel, with grouped
-            # query heads and this mask (which reads the query's row), decoded other tokens than the eager loop
-            # (torch 2.11 on an H200: benchmarks/results/smollm2_h200_s19/), as it drafted for the static drafter (h100_eval_modes/); one token it decodes right
+        else:  # the flex path's BlockMask; a verify (T > 1) on flex's main kernel (FLEX_MAIN_KERNEL says why)
             o = flex_attention(q, k, v, block_mask=mask, scale=layer.self_attn.scaling, enable_gqa=c.n_kv != c.n_heads,
-                               kernel_options={"FORCE_USE_FLEX_ATTENTION": True} if q.shape[2] > 1 else None)
+                               kernel_options=FLEX_MAIN_KERNEL if q.shape[2] > 1 else None)
         return finish_layer(layer, x, o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
     def _replay(self, ids: torch.Tensor, start: int, features: bool):
