@@ -213,7 +213,7 @@ class SlotDrafter:
         self.bs, self.slots, self.capacity = int(cfg.block_size), int(slots), int(capacity)
         self.device = next(drafter.parameters()).device
         self.dtype = next(drafter.parameters()).dtype
-        shape = (self.slots, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
+        shape = (self.slots, cfg.num_key_value_heads, self.capacity + self.bs, cfg.head_dim)  # context, then the block
         self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in drafter.layers]
         self.v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in drafter.layers]
         self.ctx_pos = torch.arange(self.capacity, device=self.device)
@@ -242,7 +242,7 @@ class SlotDrafter:
         ctx_visible = (self.ctx_pos.view(1, 1, 1, -1) < self.valid.view(-1, 1, 1, 1)).expand(-1, 1, self.bs, -1)
         masks = block_masks(self.drafter, ctx_visible, pos, self.ctx_pos, self.block_visible)  # [slots, 1, bs, C + bs]
         for i, layer in enumerate(self.drafter.layers):
-            h = layer(h, self.k[i], self.v[i], cos, sin, masks[self.cfg.window_of(i)])
+            h = layer(h, self.k[i], self.v[i], cos, sin, masks[self.cfg.window_of(i)], block_at=self.capacity)
         return self.drafter.propose(self.drafter.norm(h), last, self.lm_head.weight)
 
     def _extend(self, feats: torch.Tensor, start: torch.Tensor) -> None:

@@ -7,9 +7,10 @@ positions' target features into every layer's keys/values). Eager, a few-layer
 drafter is hundreds of small launches: at small target sizes it costs more than
 the captured verify. Here both are captured once:
 
-* the projected context lives in one buffer per layer ``[1, Hkv, capacity, D]``;
-  a counter ``valid`` says how many positions are context; the draft's mask shows
-  it positions ``< valid`` and its own block (bidirectional);
+* the projected context lives in one buffer per layer ``[1, Hkv, capacity + bs, D]``;
+  a counter ``valid`` says how many positions are context; the draft writes its block's
+  keys/values into the last ``bs`` slots (no layer copies its context, as SGLang's and vLLM's
+  drafters do), and its mask shows it positions ``< valid`` and its own block (bidirectional);
 * an update after a verify always writes the whole verified block's positions
   (fixed shape: the anchor and the ``num_drafts`` drafts) starting at its first position, and sets ``valid`` to the
   verified prefix: the rejected positions past it are hidden, then overwritten by
@@ -73,7 +74,7 @@ class StaticDrafterRunner:
             for layer in drafter.layers:
                 layer.self_attn.flex_fn = main
         self.verified = cfg.num_drafts + 1  # positions of a verify: the anchor and the drafts
-        shape = (1, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
+        shape = (1, cfg.num_key_value_heads, self.capacity + self.bs, cfg.head_dim)  # the context, then the block
         self.k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in drafter.layers]
         self.v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in drafter.layers]
         self.ctx_pos = torch.arange(self.capacity, device=self.device)
@@ -133,7 +134,7 @@ class StaticDrafterRunner:
             ctx_visible = (self.ctx_pos < self.valid).view(1, 1, 1, -1).expand(1, 1, self.bs, self.capacity)
             masks = block_masks(self.drafter, ctx_visible, pos, self.ctx_pos, self.block_visible)  # [1, 1, bs, C + bs]
         for i, layer in enumerate(self.drafter.layers):
-            h = layer(h, self.k[i], self.v[i], cos, sin, masks[self.drafter.cfg.window_of(i)])
+            h = layer(h, self.k[i], self.v[i], cos, sin, masks[self.drafter.cfg.window_of(i)], block_at=self.capacity)
         hidden = self.drafter.norm(h)
         return self.drafter.propose(hidden, self.last[:, 0], self.lm_head.weight)[0]  # DFlash 2, DSpark: their heads
 

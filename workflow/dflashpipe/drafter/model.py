@@ -379,10 +379,13 @@ class Attention(nn.Module):
         k = self.k_norm(k.view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
         return apply_rope(k, cos, sin), v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
 
-    def forward(self, x, ctx_k, ctx_v, cos, sin, attn=None) -> torch.Tensor:
+    def forward(self, x, ctx_k, ctx_v, cos, sin, attn=None, block_at: int | None = None) -> torch.Tensor:
         """x [B, Q, H] (normed block hidden); ctx_k/ctx_v [B, Hkv, S, D] projected context;
         cos/sin [B, 1, Q, D] block positions; attn: None (everything visible),
-        bool [B, 1, Q, S+Q], or a BlockMask over the same key layout. -> [B, Q, H]."""
+        bool [B, 1, Q, S+Q], or a BlockMask over the same key layout. -> [B, Q, H].
+
+        ``block_at`` (the decoders' static caches): ctx_k/ctx_v are buffers [B, Hkv, block_at + Q, D] whose
+        last Q positions take the block's keys/values in place, so no layer copies its context."""
         B, Q, _ = x.shape
         fused = getattr(self, "qkv_weight", None)  # decoding: q/k/v as one matmul (decode.layer.fuse_projections)
         if fused is None:
@@ -392,8 +395,12 @@ class Attention(nn.Module):
             q, k, v = F.linear(x, fused).split(self.fused_sizes, dim=-1)
             blk_k, blk_v = self._heads_kv(k, v, cos, sin)
         q = apply_rope(self.q_norm(q.view(B, Q, self.n_heads, self.head_dim)).transpose(1, 2), cos, sin)
-        k = torch.cat([ctx_k, blk_k], dim=2)
-        v = torch.cat([ctx_v, blk_v], dim=2)
+        if block_at is None:
+            k, v = torch.cat([ctx_k, blk_k], dim=2), torch.cat([ctx_v, blk_v], dim=2)
+        else:
+            ctx_k[:, :, block_at:].copy_(blk_k)
+            ctx_v[:, :, block_at:].copy_(blk_v)
+            k, v = ctx_k, ctx_v
         groups = self.n_heads // self.n_kv
         if isinstance(attn, BlockMask):
             out = self.flex_fn(q, k, v, block_mask=attn, enable_gqa=groups > 1)
@@ -484,13 +491,13 @@ class DecoderLayer(nn.Module):
         self.attention_conv = GroupedDynamicConv(cfg) if dflash2 else None
         self.mlp_conv = GroupedDynamicConv(cfg) if dflash2 else None
 
-    def forward(self, h, ctx_k, ctx_v, cos, sin, attn=None):
+    def forward(self, h, ctx_k, ctx_v, cos, sin, attn=None, block_at: int | None = None):
         x = self.input_layernorm(h)
         if self.attention_conv is None:
-            h = h + self.self_attn(x, ctx_k, ctx_v, cos, sin, attn)
+            h = h + self.self_attn(x, ctx_k, ctx_v, cos, sin, attn, block_at)
             return h + self.mlp(self.post_attention_layernorm(h))
         x, kernel = self.attention_conv.prepare(x)
-        h = h + self.attention_conv.finish(self.self_attn(x, ctx_k, ctx_v, cos, sin, attn), kernel)
+        h = h + self.attention_conv.finish(self.self_attn(x, ctx_k, ctx_v, cos, sin, attn, block_at), kernel)
         x, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(h))
         return h + self.mlp_conv.finish(self.mlp(x), kernel)
 
