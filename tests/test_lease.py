@@ -164,6 +164,11 @@ def test_visible_devices_mapping():
         L.visible_devices_for_slot(0, 3, "3,5")
     with pytest.raises(UserError):
         L.visible_devices_for_slot(3, 3, "3,5,7")
+    # a repeated GPU is no GPU to CUDA; mapped anyway, three slots would share one card
+    with pytest.raises(UserError, match="names GPU '0' more than once"):
+        L.visible_devices_for_slot(1, 3, "0,0,0")
+    with pytest.raises(UserError, match="names GPU '5' more than once"):
+        L.visible_devices_for_slot(0, 2, "5,7,5")
 
 
 def test_lease_device_gpu_mode_narrows_visible_devices(tmp_path, monkeypatch):

@@ -315,7 +315,7 @@ def visible_devices_for_slot(slot: int, n_slots: int, cuda_visible_devices: str 
 
     ``cuda_visible_devices`` defaults to the current environment's value. If it
     is set, slot ``i`` maps to its ``i``-th entry (it must list at least
-    ``n_slots`` devices); if unset, slot ``i`` is physical GPU ``i``.
+    ``n_slots`` devices, each once); if unset, slot ``i`` is physical GPU ``i``.
     """
     _check_slots(n_slots, slot)
     if cuda_visible_devices is None:
@@ -323,6 +323,12 @@ def visible_devices_for_slot(slot: int, n_slots: int, cuda_visible_devices: str 
     if cuda_visible_devices is None:
         return str(slot)
     entries = _parse_cvd(cuda_visible_devices)
+    repeated = sorted({e for e in entries if entries.count(e) > 1})
+    if repeated:  # CUDA (and torch's parser) reads a repeated entry as no device: slots would also share one card
+        raise UserError(
+            f"{ENV_CVD}={cuda_visible_devices!r} names GPU {repeated[0]!r} more than once, which CUDA reads as no GPU "
+            f"at all; list each GPU once (one GPU slot each)"
+        )
     if len(entries) < n_slots:
         raise UserError(
             f"{ENV_CVD}={cuda_visible_devices!r} lists {len(entries)} device(s) but {n_slots} GPU slot(s) "
