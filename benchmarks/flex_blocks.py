@@ -2,7 +2,8 @@
 
 A verify (8 or 16 queries over the target's static cache) and a draft (a block over the drafter's
 context and its own slots) run flex's main kernel (``static_target.FLEX_MAIN_KERNEL`` says why),
-whose default tiles are 128 queries by 64 keys: at 8-16 queries most of each tile is padding. This
+whose tiles on an H100/H200 are 128 queries by 128 keys (bf16, head_dim 64) or by 64 (head_dim 128): at
+8-16 queries most of each tile is padding. This
 times the attention alone, compiled and captured in a CUDA graph (launches excluded), for the
 evaluation's masks at SmolLM2's and Qwen3-8B's shapes, with the main kernel's default tiles, smaller
 ones, and flex's decoding kernel (for reference only: it decoded wrong in some of these shapes), and
@@ -36,8 +37,8 @@ SHAPES = {
     "verify_qwen3_8b": (32, 8, 128, 16),
     "draft_qwen3_8b": (32, 8, 128, 16),
 }
-#: the main kernel's tiles tried beside its default (BLOCK_M queries x BLOCK_N keys)
-TILES = ((16, 32), (16, 64), (16, 128), (32, 64), (64, 64))
+#: the main kernel's tiles tried beside its default (BLOCK_M queries x BLOCK_N keys, num_warps)
+TILES = ((16, 32, 4), (16, 64, 4), (16, 128, 4), (32, 64, 4), (64, 64, 4))
 
 
 def masks(step: str, Q: int, capacity: int, valid: int, device):
@@ -89,7 +90,7 @@ def timed_graph(fn, reps: int) -> float:
     return best
 
 
-def run(step: str, device, capacity: int, valid: int, reps: int, compile: bool) -> dict:
+def run(step: str, device, capacity: int, valid: int, reps: int, compile: bool, tiles=TILES) -> dict:
     Hq, Hkv, D, Q = SHAPES[step]
     keys, mask = masks(step, Q, capacity, valid, device)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -98,7 +99,8 @@ def run(step: str, device, capacity: int, valid: int, reps: int, compile: bool) 
     k = torch.randn(1, Hkv, keys, D, generator=g).to(device, dtype)
     v = torch.randn(1, Hkv, keys, D, generator=g).to(device, dtype)
     variants = {"main_default": FLEX_MAIN_KERNEL}
-    variants |= {f"main_m{m}_n{n}": FLEX_MAIN_KERNEL | {"BLOCK_M": m, "BLOCK_N": n} for m, n in TILES}
+    variants |= {f"main_m{m}_n{n}_w{w}": FLEX_MAIN_KERNEL | {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w}
+                 for m, n, w in tiles}
     variants["decoding_kernel"] = None
     out = {"shape": {"query_heads": Hq, "kv_heads": Hkv, "head_dim": D, "queries": Q, "keys": keys, "live": valid}}
     ref = None
@@ -126,16 +128,16 @@ def main() -> None:
     ap.add_argument("--valid", type=int, default=300, help="context positions before the step")
     ap.add_argument("--reps", type=int, default=200, help="calls per graph replay")
     ap.add_argument("--steps", default=",".join(SHAPES), help="which of " + ", ".join(SHAPES))
+    ap.add_argument("--tiles", default=",".join("x".join(map(str, t)) for t in TILES),
+                    help="BLOCK_MxBLOCK_NxNUM_WARPS tiles besides the default")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: uncompiled, the first two variants")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     device = torch.device(a.device)
-    if a.quick:
-        global TILES
-        TILES = TILES[:1]
+    tiles = tuple(tuple(int(x) for x in t.split("x")) for t in a.tiles.split(","))[: 1 if a.quick else None]
     res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
     for step in a.steps.split(","):
-        res[step] = run(step, device, a.capacity, a.valid, a.reps, compile=device.type == "cuda")
+        res[step] = run(step, device, a.capacity, a.valid, a.reps, compile=device.type == "cuda", tiles=tiles)
     text = json.dumps(res, indent=1)
     print(text)
     if a.out:
