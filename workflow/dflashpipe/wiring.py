@@ -71,6 +71,8 @@ class Paths:
         # tokenized training data (one datasets dataset) and its statistics
         self.tokenized = f"{r}/tokenized/train"
         self.tokenized_stats = f"{r}/tokenized/stats.json"
+        # a draft vocabulary of n tokens from the tokenized data (evaluate.draft_vocab; rule draft_vocab)
+        self.draft_vocab = f"{r}/tokenized/draft_vocab_{{n}}.json"
         # compile caches of the warm chain, one folder per GPU slot inside
         self.compile_cache = f"{r}/{COMPILE_CACHE}"
         # the training run: one job writes them all, for any number of shards
@@ -430,6 +432,14 @@ class Pipeline:
         files = self.paths.ar_draft_files()
         return [Paths.of_run(f, None, ardraft=self.ar_signature(run)) for f in files] if self.paths.runs else files
 
+    def draft_vocab_files(self, wildcards=None) -> list[str]:
+        """Input function of rule evaluate: the run's draft vocabulary (``evaluate.draft_vocab``), if it has one."""
+        return self.run_draft_vocab_files(self._run(wildcards))
+
+    def run_draft_vocab_files(self, run: str | None) -> list[str]:
+        n = self.run_cfg(run)["evaluate"]["draft_vocab"]
+        return [self.paths.draft_vocab.format(n=n)] if n else []
+
     @staticmethod
     def method_labels() -> dict[str, str]:
         """The plots' legend label of every evaluation method, in the registry's order."""
@@ -495,6 +505,7 @@ class Pipeline:
             per_run += [p.table(name) for name in p.TABLES] + [p.plot(name) for name in p.PLOTS]
             out += [Paths.of_run(f, run) for f in per_run]
             out += self.run_ar_draft_files(run)
+            out += self.run_draft_vocab_files(run)
             if self.concurrency_levels(run):
                 out += [Paths.of_run(f, run) for f in (*self.concurrency_files(), p.concurrency_table, p.concurrency_plot)]
         if self.paths.runs:

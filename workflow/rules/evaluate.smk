@@ -33,6 +33,7 @@ rule evaluate:
         drafter=paths.drafter_files(),
         prompts=paths.prompts(),
         ar_draft=pipeline.ar_draft_files,
+        draft_vocab=pipeline.draft_vocab_files,
     output:
         samples=paths.eval_samples(),
         summary=paths.eval_summary(),

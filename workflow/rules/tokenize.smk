@@ -21,3 +21,21 @@ rule tokenize:
         chat_template_kwargs=pipeline.chat_template_kwargs(),
     script:
         "../scripts/tokenize.py"
+
+
+rule draft_vocab:
+    """The n tokens most frequent in the trained replies: what a draft picks among (evaluate.draft_vocab)."""
+    input:
+        data=paths.tokenized_files(),
+    output:
+        paths.draft_vocab,
+    log:
+        paths.log("draft_vocab", "{n}"),
+    wildcard_constraints:
+        n=r"[1-9][0-9]*",
+    conda:
+        "../../envs/torch.yaml"
+    params:
+        code=pipeline.code("draft_vocab.py"),
+    script:
+        "../scripts/draft_vocab.py"

@@ -21,6 +21,7 @@ with job(snakemake.log[0], threads=snakemake.threads, name=f"evaluate {snakemake
             samples_out=snakemake.output.samples,
             summary_out=snakemake.output.summary,
             ar_draft_dir=folder_of(snakemake.input.ar_draft) if snakemake.input.ar_draft else None,
+            draft_vocab_json=snakemake.input.draft_vocab[0] if snakemake.input.draft_vocab else None,
             device=lease.device,
         )
         evaluate_dataset(run, log=log)

@@ -527,14 +527,18 @@ class CandidateSelector(nn.Module):
         pair = (successors * query.unsqueeze(-2).to(self.successor_codebook.dtype)).sum(-1)
         return unary.float() + pair.float()
 
-    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
-        """Greedy path: hidden [B, P, H], logits [B, P, V], anchor_ids [B] -> tokens [B, P], position by position.
+    def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_ids: torch.Tensor,
+               ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy path: hidden [B, P, H], logits [B, P, V], anchor_ids [B] -> tokens [B, P], position by position
+        (``ids``: the token of each of the V logits, a draft vocabulary's; None: logit i is token i).
 
         The scores of every position's candidates after every candidate of the position before it
         (the anchor for position 0) come from one batched product, a [B, P, k, k] table; the path
         then only picks a row per position (a few small ops each, no host sync: CUDA graphs capture it).
         """
         unary, candidates = torch.topk(logits, self.top_k, dim=-1)  # [B, P, k]
+        if ids is not None:
+            candidates = ids[candidates]
         proj = self.hidden_projection(hidden.to(self.hidden_projection.weight.dtype))  # [B, P, rank]
         before = torch.cat([anchor_ids[:, None, None].expand(-1, 1, self.top_k), candidates[:, :-1]], dim=1)
         query = (self.predecessor_codebook[before] * proj.unsqueeze(2)).to(self.successor_codebook.dtype)
@@ -641,6 +645,7 @@ class DFlashDrafter(nn.Module):
                     nn.init.zeros_(conv.kernel_projection.weight)
         self.compile_mode = "none"
         self.layer_fn = _block_layer  # how forward() runs one layer
+        self.draft_ids = self.draft_head = None  # a draft vocabulary (use_draft_vocab): decoding only, never saved
 
     def set_compile_mode(self, mode: str) -> None:
         """How the training forward runs (one of :data:`COMPILE_MODES`); inference stays eager.
@@ -701,24 +706,42 @@ class DFlashDrafter(nn.Module):
         return logits
 
     @torch.no_grad()
+    def use_draft_vocab(self, ids: torch.Tensor | None, lm_head_weight: torch.Tensor | None = None) -> None:
+        """Draft over the tokens ``ids`` only (ascending; None: the whole vocabulary again). Their rows of the LM
+        head are copied once, and a draft reads those instead of the whole head: at Qwen3-8B's shapes the head
+        is 1.2 GB of the draft's 3.2 GB. A token outside ``ids`` is never drafted, and decoding stays lossless. A
+        DFlash draft changes only where the whole vocabulary's argmax lies outside ``ids`` (ties resolve to the
+        lowest id either way); DFlash 2's and DSpark's where one of their candidates does."""
+        if ids is None:
+            self.draft_ids = self.draft_head = None
+            return
+        self.draft_ids = ids.to(lm_head_weight.device, torch.long)
+        self.draft_head = lm_head_weight.detach().index_select(0, self.draft_ids).contiguous()
+
+    @torch.no_grad()
     def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """A block's draft tokens: hidden [B, bs, H] (the whole block), anchor_ids [B] -> [B, num_drafts].
 
         DFlash: the argmax of slots 1..bs-1. DFlash 2: the candidate selector's greedy path over them.
         DSpark: slot by slot over all bs slots, the argmax of its logits plus the Markov head's bias
-        from the token before it (the anchor, then the token just drafted).
+        from the token before it (the anchor, then the token just drafted). With a draft vocabulary
+        (:meth:`use_draft_vocab`) each picks among its tokens only.
         """
+        ids = self.draft_ids
         hidden = hidden[:, 1 - self.cfg.label_shift :]
-        logits = self.compute_logits(hidden, lm_head_weight)
+        logits = self.compute_logits(hidden, lm_head_weight if ids is None else self.draft_head)
         if self.markov_head is not None:
             previous, path = anchor_ids, []
             for i in range(hidden.shape[1]):
-                previous = (logits[:, i].float() + self.markov_head.bias(previous).float()).argmax(dim=-1)
+                bias = self.markov_head.bias(previous).float()
+                best = (logits[:, i].float() + (bias if ids is None else bias.index_select(-1, ids))).argmax(dim=-1)
+                previous = best if ids is None else ids[best]
                 path.append(previous)
             return torch.stack(path, dim=1)
         if self.candidate_selector is None:
-            return logits.argmax(dim=-1)
-        return self.candidate_selector.select(hidden.to(logits.dtype), logits, anchor_ids)
+            best = logits.argmax(dim=-1)
+            return best if ids is None else ids[best]
+        return self.candidate_selector.select(hidden.to(logits.dtype), logits, anchor_ids, ids)
 
     # -- inference ----------------------------------------------------------
 

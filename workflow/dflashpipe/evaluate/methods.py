@@ -64,6 +64,7 @@ class Harness:
     dtype: torch.dtype
     dflash: DFlashDecoder  # the same-harness loops, on the target step evaluate.target_step chose
     ar: ARDecoder
+    draft_vocab: dict | None = None  # what DFlash drafts among (evaluate.draft_vocab; None: the whole vocabulary)
 
     @property
     def temperature(self) -> float:

@@ -25,6 +25,7 @@ to the logits, and records each excused case; any other divergence fails.
 
 from __future__ import annotations
 
+import json
 import math
 import resource
 import time
@@ -271,6 +272,22 @@ def _checked_methods(run: EvalRun, dev: torch.device) -> list:
     return methods
 
 
+def use_draft_vocab(drafter, target, path: str | None, log) -> dict | None:
+    """Has ``drafter`` draft among rule draft_vocab's tokens (``path``; None: the whole vocabulary) -> what the
+    summary records of it (the size asked and got, the share of trained reply tokens they cover)."""
+    if path is None:
+        return None
+    vocab = json.loads(Path(path).read_text())
+    ids = torch.tensor(vocab["ids"], dtype=torch.long)
+    top_k = getattr(drafter.candidate_selector, "top_k", 0)
+    if len(ids) < top_k:
+        raise UserError(f"{path}: a draft vocabulary of {len(ids)} tokens is smaller than the candidate selector's "
+                        f"top {top_k}; raise evaluate.draft_vocab to {top_k} or more")
+    drafter.use_draft_vocab(ids, target.get_output_embeddings().weight)
+    log(f"drafting among {len(ids)} tokens ({100 * vocab['coverage']:.2f}% of the trained reply tokens)")
+    return {k: vocab[k] for k in ("requested", "size", "coverage")}
+
+
 def _harness(run: EvalRun, dev: torch.device, laps: Laps, log) -> tuple[Harness, tuple, int]:
     """The loaded target and drafter, the prompts, and the same-harness DFlash and AR decoders; with
     the prompts read (:func:`eval_prompts`: the prompts, skipped) and the static KV cache's capacity."""
@@ -282,6 +299,7 @@ def _harness(run: EvalRun, dev: torch.device, laps: Laps, log) -> tuple[Harness,
     target, tok = load_target(run.target_dir, device=str(dev), dtype=dtype)
     laps.lap("target")
     drafter, dcfg = load_drafter(run.drafter_dir, device=dev, dtype=dtype)
+    vocab = use_draft_vocab(drafter, target, run.draft_vocab_json, log)
     laps.lap("drafter")
     eos = eos_ids_of(tok, target)
     if not eos:
@@ -300,7 +318,7 @@ def _harness(run: EvalRun, dev: torch.device, laps: Laps, log) -> tuple[Harness,
     ar_dec = ARDecoder(target, eos, runner=target_runner(target, s.target_step, None, capacity, graph_sizes=(1,),
                                                          attention=s.attention))
     harness = Harness(settings=s, target=target, tokenizer=tok, eos=eos, drafter_dir=run.drafter_dir, drafter_cfg=dcfg,
-                      ar_draft_dir=run.ar_draft_dir, device=dev, dtype=dtype, dflash=dflash, ar=ar_dec)
+                      ar_draft_dir=run.ar_draft_dir, device=dev, dtype=dtype, dflash=dflash, ar=ar_dec, draft_vocab=vocab)
     laps.lap("static steps")
     return harness, prompts, capacity
 
@@ -313,6 +331,8 @@ def _summary_head(run: EvalRun, h: Harness, n_prompts: int, skipped: Counter, ca
     return {
         "target": describe_target(run.target_dir),
         "drafter": {"path": str(run.drafter_dir), **{k: v for k, v in h.drafter_cfg.to_dict().items() if k in ("block_size", "num_hidden_layers", "target_layer_ids", "mask_token_id")}},
+        # the tokens DFlash drafted among (evaluate.draft_vocab; None: the whole vocabulary)
+        "draft_vocab": h.draft_vocab,
         "prompts": str(run.prompts_parquet),
         "n_prompts": n_prompts,
         "skipped_prompts": dict(skipped),

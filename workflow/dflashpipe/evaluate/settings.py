@@ -57,6 +57,7 @@ class EvalSettings:
     lossless: str
     target_step: str
     attention: str
+    draft_vocab: int  # 0: draft over the whole vocabulary; else over EvalRun.draft_vocab_json's tokens
     timing_repeats: object  # "auto" or a count: see :func:`dflashpipe.evaluate.run.timing_repeats`
     turns: str  # all: every user turn of a multi-turn prompt, each after the target's reply to the one before | first
     # from other sections of the config: the top-level seed (default: the schema's), and
@@ -82,5 +83,6 @@ class EvalRun:
     samples_out: str
     summary_out: str
     ar_draft_dir: str | None = None  # the small AR draft model, for the methods that need it (assisted)
+    draft_vocab_json: str | None = None  # rule draft_vocab's ids (evaluate.draft_vocab > 0)
     device: str = "cpu"
     dtype: torch.dtype | None = None  # None: bfloat16 on CUDA, float32 on the CPU
