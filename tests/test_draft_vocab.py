@@ -130,3 +130,13 @@ def test_decoding_with_a_draft_vocabulary_stays_lossless(model64, arch):
     miss = dflash(static=True)
     assert hit.tokens == miss.tokens == ar.tokens
     assert sum(hit.accepted) > 0 and set(miss.accepted) == {0}
+
+
+def test_a_vocabulary_smaller_than_the_selectors_candidates_is_refused(model64):
+    drafter = make_drafter(model64, "dflash2")
+    W = model64.get_output_embeddings().weight
+    with pytest.raises(ValueError, match="smaller than the candidate selector's top 16"):
+        drafter.use_draft_vocab(torch.arange(8), W)
+    with pytest.raises(ValueError, match="LM head's weight is needed"):
+        drafter.use_draft_vocab(torch.arange(64))
+    assert drafter.draft_ids is None  # nothing half set

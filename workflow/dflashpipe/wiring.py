@@ -438,7 +438,7 @@ class Pipeline:
 
     def run_draft_vocab_files(self, run: str | None) -> list[str]:
         n = self.run_cfg(run)["evaluate"]["draft_vocab"]
-        return [self.paths.draft_vocab.format(n=n)] if n else []
+        return [self.paths.draft_vocab.format(n=int(n))] if n else []  # int: YAML's 48.0 passes the schema
 
     @staticmethod
     def method_labels() -> dict[str, str]:

@@ -385,7 +385,8 @@ class Attention(nn.Module):
         bool [B, 1, Q, S+Q], or a BlockMask over the same key layout. -> [B, Q, H].
 
         ``block_at`` (the decoders' static caches): ctx_k/ctx_v are buffers [B, Hkv, block_at + Q, D] whose
-        last Q positions take the block's keys/values in place, so no layer copies its context."""
+        last Q positions take the block's keys/values in place, so no layer copies its context; ``attn`` must
+        then hide the buffer's unwritten positions."""
         B, Q, _ = x.shape
         fused = getattr(self, "qkv_weight", None)  # decoding: q/k/v as one matmul (decode.layer.fuse_projections)
         if fused is None:
@@ -645,7 +646,7 @@ class DFlashDrafter(nn.Module):
                     nn.init.zeros_(conv.kernel_projection.weight)
         self.compile_mode = "none"
         self.layer_fn = _block_layer  # how forward() runs one layer
-        self.draft_ids = self.draft_head = None  # a draft vocabulary (use_draft_vocab): decoding only, never saved
+        self.draft_ids = self.draft_head = self.draft_markov = None  # a draft vocabulary (use_draft_vocab): decoding only
 
     def set_compile_mode(self, mode: str) -> None:
         """How the training forward runs (one of :data:`COMPILE_MODES`); inference stays eager.
@@ -713,10 +714,17 @@ class DFlashDrafter(nn.Module):
         DFlash draft changes only where the whole vocabulary's argmax lies outside ``ids`` (ties resolve to the
         lowest id either way); DFlash 2's and DSpark's where one of their candidates does."""
         if ids is None:
-            self.draft_ids = self.draft_head = None
+            self.draft_ids = self.draft_head = self.draft_markov = None
             return
+        if lm_head_weight is None:
+            raise ValueError("use_draft_vocab: the LM head's weight is needed to draft among ids")
+        top_k = getattr(self.candidate_selector, "top_k", 0)
+        if len(ids) < top_k:
+            raise ValueError(f"a draft vocabulary of {len(ids)} tokens is smaller than the candidate selector's top {top_k}")
         self.draft_ids = ids.to(lm_head_weight.device, torch.long)
         self.draft_head = lm_head_weight.detach().index_select(0, self.draft_ids).contiguous()
+        if self.markov_head is not None:  # DSpark: its Markov head's rows for ids too (it is V x rank as well)
+            self.draft_markov = self.markov_head.markov_w2.weight.detach().index_select(0, self.draft_ids).contiguous()
 
     @torch.no_grad()
     def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
@@ -733,8 +741,11 @@ class DFlashDrafter(nn.Module):
         if self.markov_head is not None:
             previous, path = anchor_ids, []
             for i in range(hidden.shape[1]):
-                bias = self.markov_head.bias(previous).float()
-                best = (logits[:, i].float() + (bias if ids is None else bias.index_select(-1, ids))).argmax(dim=-1)
+                if ids is None:
+                    bias = self.markov_head.bias(previous)
+                else:  # the Markov head's rows for ids only
+                    bias = F.linear(self.markov_head.markov_w1(previous), self.draft_markov)
+                best = (logits[:, i].float() + bias.float()).argmax(dim=-1)
                 previous = best if ids is None else ids[best]
                 path.append(previous)
             return torch.stack(path, dim=1)

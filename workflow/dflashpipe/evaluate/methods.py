@@ -141,7 +141,8 @@ def _assisted(h: Harness) -> Runner:
 def _hf_dflash(h: Harness) -> Runner:
     """transformers' own DFlash speculative generation (``speculation_type="dflash"``) with the same
     drafter, loaded as its ``MuseGlimmerAssistantModel``. Skipped where the installed transformers
-    lacks it (before 5.15) or cannot run this drafter (e.g. DFlash 2: it runs plain DFlash only)."""
+    lacks it (before 5.15) or cannot run this drafter (e.g. DFlash 2: it runs plain DFlash only). It drafts
+    over the whole vocabulary, also where ``evaluate.draft_vocab`` has this harness's DFlash draft among fewer."""
     import transformers
 
     from .baselines import hf_dflash_generate

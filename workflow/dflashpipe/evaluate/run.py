@@ -278,13 +278,11 @@ def use_draft_vocab(drafter, target, path: str | None, log) -> dict | None:
     if path is None:
         return None
     vocab = json.loads(Path(path).read_text())
-    ids = torch.tensor(vocab["ids"], dtype=torch.long)
-    top_k = getattr(drafter.candidate_selector, "top_k", 0)
-    if len(ids) < top_k:
-        raise UserError(f"{path}: a draft vocabulary of {len(ids)} tokens is smaller than the candidate selector's "
-                        f"top {top_k}; raise evaluate.draft_vocab to {top_k} or more")
-    drafter.use_draft_vocab(ids, target.get_output_embeddings().weight)
-    log(f"drafting among {len(ids)} tokens ({100 * vocab['coverage']:.2f}% of the trained reply tokens)")
+    try:
+        drafter.use_draft_vocab(torch.tensor(vocab["ids"], dtype=torch.long), target.get_output_embeddings().weight)
+    except ValueError as err:  # fewer tokens than DFlash 2's selector takes
+        raise UserError(f"{path}: {err}; raise evaluate.draft_vocab") from None
+    log(f"drafting among {vocab['size']} tokens ({100 * vocab['coverage']:.2f}% of the trained reply tokens)")
     return {k: vocab[k] for k in ("requested", "size", "coverage")}
 
 

@@ -4,7 +4,9 @@ A draft reads the target's whole LM head to pick one token per block position: a
 that head is 1.2 GB of the draft's 3.2 GB (docs/decoding.md). Drafting among the N tokens the training
 replies use most reads N rows instead of all of them; a draft whose right token is outside them is
 rejected by the verify, so decoding stays lossless and only acceptance can fall. The share of the
-trained reply tokens the N cover (``coverage``) bounds that for DFlash's argmax draft.
+trained reply tokens the N cover (``coverage``) is a guide to how much: a DFlash draft the whole
+vocabulary would have got right is lost only where the target's token is outside the N, which on
+held-out prompts may happen more often than on the training replies.
 """
 
 from __future__ import annotations
