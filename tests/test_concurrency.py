@@ -176,13 +176,18 @@ def test_accepted_drafts_are_lossless_and_a_broken_verifier_is_caught(model64, c
     assert [r.tokens for r in broken.generate(prompts).results] != [r.tokens for r in ref]
 
 
+@pytest.mark.parametrize("vocab", [False, True])
 @pytest.mark.parametrize("arch", ["dflash", "dflash2", "dspark"])
-def test_slot_drafter_rows_draft_as_the_batch1_drafter(model64, arch):
+def test_slot_drafter_rows_draft_as_the_batch1_drafter(model64, arch, vocab):
     """Rows with contexts of different lengths, then a verified block each (different accepted counts):
-    every row's drafts equal the batch-1 drafter's (eager DraftCache) on the same context."""
+    every row's drafts equal the batch-1 drafter's (eager DraftCache) on the same context; with a draft
+    vocabulary (evaluate.draft_vocab) too, every draft one of its tokens."""
     drafter = make_drafter(model64, seed=1, arch=arch)
     cfg, F = drafter.cfg, len(drafter.cfg.target_layer_ids) * drafter.cfg.hidden_size
     embed, head = model64.get_input_embeddings(), model64.get_output_embeddings()
+    ids = torch.arange(1, model64.config.vocab_size, 3)
+    if vocab:
+        drafter.use_draft_vocab(ids, head.weight)
     g = torch.Generator().manual_seed(3)
     lengths, accepted = [5, 11, 2], [0, 3, 1]
     feats = torch.randn(3, 11, F, generator=g, dtype=torch.float64)
@@ -202,6 +207,8 @@ def test_slot_drafter_rows_draft_as_the_batch1_drafter(model64, arch):
         assert first[r].tolist() == one.propose(cache, n + 1, last[r].view(1, 1)).tolist()
         one.extend(cache, block[q : q + 1], n, accepted[q] + 1)
         assert second[r].tolist() == one.propose(cache, n + accepted[q] + 2, last[r].view(1, 1)).tolist()
+    drafted = set(first.flatten().tolist()) | set(second.flatten().tolist())
+    assert (drafted <= set(ids.tolist())) == vocab  # without one, some draft lies outside it
 
 
 def test_forced_tau_draws_the_asked_acceptance(model64, case):

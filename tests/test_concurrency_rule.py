@@ -41,6 +41,14 @@ def test_concurrency_measures_under_load_and_decodes_what_batch_one_decodes(mini
     log = (r / "logs/plots/concurrency.log").read_text()
     assert "math_heldout: DFlash under load" in log
 
+    # a draft vocabulary: both evaluations run again, DFlash drafting among its tokens (rule draft_vocab)
+    cfg["evaluate"]["draft_vocab"] = 48
+    write_config(cfg_path, cfg)
+    assert planned_rules(work, "--configfile", str(cfg_path)) == {
+        "draft_vocab": 1, "evaluate": 1, "concurrency": 1, "tables": 1, "plots": 1, "concurrency_report": 1,
+        "effective_config": 1, "all": 1}
+    cfg["evaluate"]["draft_vocab"] = 0
+
     # turned off again: nothing runs, and nothing measured is deleted
     cfg["evaluate"]["concurrency"] = []
     write_config(cfg_path, cfg)

@@ -465,7 +465,7 @@ class Pipeline:
         """Params function of rule concurrency: the keys its figures depend on."""
         ev = self.run_cfg(self._run(wildcards))["evaluate"]
         return canonical({k: ev[k] for k in (*keys_marked("evaluate", "concurrency"), "max_new_tokens", "num_prompts",
-                                               "temperature")})
+                                               "temperature", "draft_vocab")})
 
     def concurrency_files(self, wildcards=None) -> list[str]:
         """Input function of rule concurrency_report: a run's measurements (one per eval dataset)."""

@@ -64,6 +64,7 @@ if pipeline.measures_concurrency():
             target=pipeline.target_inputs(),
             drafter=paths.drafter_files(),
             prompts=paths.prompts(),
+            draft_vocab=pipeline.draft_vocab_files,
         output:
             paths.eval_concurrency(),
         log:

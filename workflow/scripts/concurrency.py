@@ -23,6 +23,7 @@ with job(snakemake.log[0], threads=snakemake.threads, name=f"concurrency {snakem
                 settings=settings(EvalSettings, ev, seed=config["seed"],
                                   chat_template_kwargs=config["expand"]["chat_template_kwargs"]),
                 device=lease.device,
+                draft_vocab_json=snakemake.input.draft_vocab[0] if snakemake.input.draft_vocab else None,
             ),
             log=log,
         )

@@ -49,6 +49,7 @@ class ConcurrencyRun:
     waves: int
     settings: object  # EvalSettings: max_new_tokens, num_prompts, chat_template_kwargs (greedy always)
     device: str = "cpu"
+    draft_vocab_json: str | None = None  # rule draft_vocab's ids (evaluate.draft_vocab > 0): DFlash drafts among them
 
 
 def summarise(run) -> dict:
@@ -90,7 +91,7 @@ def measure_concurrency(run: ConcurrencyRun, log=print) -> dict:
     from dflashpipe.export.write import load_drafter
     from dflashpipe.inputs.target import load_target
 
-    from .run import read_eval_prompts
+    from .run import read_eval_prompts, use_draft_vocab
 
     s = run.settings
     if s.temperature != 0:
@@ -100,8 +101,9 @@ def measure_concurrency(run: ConcurrencyRun, log=print) -> dict:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     target, tok = load_target(run.target_dir, device=str(dev), dtype=dtype)
     drafter, dcfg = load_drafter(run.drafter_dir, device=dev, dtype=dtype)
+    vocab = use_draft_vocab(drafter, target, run.draft_vocab_json, log)
     levels = resolve_levels(run.levels, run.device)
-    out = {"dataset": Path(run.prompts_parquet).name.removesuffix(".parquet"), "levels": list(levels),
+    out = {"dataset": Path(run.prompts_parquet).name.removesuffix(".parquet"), "levels": list(levels), "draft_vocab": vocab,
            "waves": run.waves, "max_new_tokens": s.max_new_tokens, "device": str(dev),
            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "rows": []}
