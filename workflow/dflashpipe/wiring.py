@@ -433,7 +433,7 @@ class Pipeline:
         return [Paths.of_run(f, None, ardraft=self.ar_signature(run)) for f in files] if self.paths.runs else files
 
     def draft_vocab_files(self, wildcards=None) -> list[str]:
-        """Input function of rule evaluate: the run's draft vocabulary (``evaluate.draft_vocab``), if it has one."""
+        """Input function of rules evaluate and concurrency: the run's draft vocabulary (``evaluate.draft_vocab``), if any."""
         return self.run_draft_vocab_files(self._run(wildcards))
 
     def run_draft_vocab_files(self, run: str | None) -> list[str]:
