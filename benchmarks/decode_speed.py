@@ -129,21 +129,29 @@ def hf_static_generate(target, ids, new: int, dev) -> dict:
             "hf_static_compiled": hasattr(target, "_compiled_call")}
 
 
+def random_drafter(a, target, tcfg, arch: str, dev):
+    """(drafter, its config): a seeded random ``arch`` drafter of ``--layers`` layers and ``--block-size`` for the
+    target's shapes (mask token: the last id), drafting among the first ``--draft-vocab`` ids if given (they stand
+    for the most frequent: the time does not depend on which)."""
+    from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
+
+    keys = {"selector_rank": a.selector_rank} if arch == "dflash2" else {}
+    dcfg = DrafterConfig.from_target_config(tcfg, a.layers, a.block_size, tcfg.vocab_size - 1, arch=arch, **keys)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(dcfg).to(dev, target.dtype).eval()
+    if a.draft_vocab:
+        drafter.use_draft_vocab(torch.arange(a.draft_vocab), target.get_output_embeddings().weight)
+    return drafter, dcfg
+
+
 def batch1(a, target, tcfg, dev) -> dict:
     from dflashpipe.decode.speculative import ARDecoder, DFlashDecoder, TargetRunner, drafter_runner
     from dflashpipe.decode.static_target import StaticTargetRunner
-    from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
 
     bs, P, new = a.block_size, (32 if a.tiny else 200), a.new
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, tcfg.vocab_size - 2, (P,), generator=g).tolist()
-    mask_id = tcfg.vocab_size - 1
-    keys = {"selector_rank": a.selector_rank} if a.arch == "dflash2" else {}
-    dcfg = DrafterConfig.from_target_config(tcfg, a.layers, bs, mask_id, arch=a.arch, **keys)
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(dcfg).to(dev, target.dtype).eval()
-    if a.draft_vocab:  # the first N ids stand for the N most frequent (the time does not depend on which)
-        drafter.use_draft_vocab(torch.arange(a.draft_vocab), target.get_output_embeddings().weight)
+    drafter, dcfg = random_drafter(a, target, tcfg, a.arch, dev)
     res: dict = {"prompt_tokens": P, "new_tokens": new, "block_size": bs, "drafter_layers": a.layers, "drafter_arch": a.arch,
                  "draft_vocab": a.draft_vocab}
 
@@ -349,7 +357,6 @@ def profile_draft(a, target, tcfg, dev, archs=("dflash", "dflash2"), reps: int =
     its kernels per draft, their GPU time by kind, and the longest kernels."""
     from dflashpipe.decode.speculative import drafter_runner
     from dflashpipe.decode.static_target import StaticTargetRunner
-    from dflashpipe.drafter.model import DFlashDrafter, DrafterConfig
 
     bs, P = a.block_size, (32 if a.tiny else 200)
     capacity = P + a.new + 2 * bs
@@ -358,12 +365,7 @@ def profile_draft(a, target, tcfg, dev, archs=("dflash", "dflash2"), reps: int =
     last = torch.tensor([[int(torch.randint(0, tcfg.vocab_size - 2, (1,), generator=g))]], device=dev)
     out = {}
     for arch in archs:
-        keys = {"selector_rank": a.selector_rank} if arch == "dflash2" else {}
-        dcfg = DrafterConfig.from_target_config(tcfg, a.layers, bs, tcfg.vocab_size - 1, arch=arch, **keys)
-        torch.manual_seed(0)
-        drafter = DFlashDrafter(dcfg).to(dev, target.dtype).eval()
-        if a.draft_vocab:
-            drafter.use_draft_vocab(torch.arange(a.draft_vocab), target.get_output_embeddings().weight)
+        drafter, dcfg = random_drafter(a, target, tcfg, arch, dev)
         draft = drafter_runner(drafter, verify, capacity=capacity)
         cache = draft.new_cache()
         feats = torch.randn(1, P, len(dcfg.target_layer_ids) * tcfg.hidden_size, device=dev, dtype=target.dtype)
