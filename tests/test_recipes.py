@@ -548,3 +548,52 @@ def test_top_k_by_groups_is_topk(V):
     torch.testing.assert_close(values, ref.values)
     assert torch.equal(indices, ref.indices)
     assert torch.equal(x.gather(1, indices), values)
+
+
+@pytest.mark.parametrize("selector_weight", [0.5, 0.0])
+def test_one_rank_step_sets_gradients_to_none_and_trains_as_the_ddp_step(selector_weight, one_rank_group):
+    """At K = 1 the step sets the gradients to None before the backward (no zero fill, no accumulate, no
+    gradient memory in the forward); DDP zeroes its bucket views in place. Three AdamW steps (weight decay
+    on, DFlash 2 + KL) leave every parameter bit-identical both ways; at selector weight 0 the selector gets
+    no gradient and decays alike (a zero gradient filled in before the optimiser)."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflashpipe.training.distributed import adamw
+    from dflashpipe.training.step import Setup, train_step
+    from dflashpipe.training.train import TrainConfig
+
+    torch.manual_seed(0)
+    tc = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16)
+    target = Qwen3ForCausalLM(tc).eval().requires_grad_(False)
+    cfg = DrafterConfig.from_target_config(tc, 2, 4, V - 1, target_layer_ids=[0, 1, 2], arch="dflash2",
+                                           conv_group_size=16, selector_rank=8, selector_top_k=5,
+                                           final_logit_softcapping=20.0, output_multiplier=0.5)
+    ids, lm, anchors, keep, _ = make_batch(cfg)
+    batch = SimpleNamespace(input_ids=ids, loss_mask=lm, anchors=anchors, keep=keep, index=None,
+                            num_tokens=int(lm.sum()))
+    train = TrainConfig(block_size=4, num_anchors=anchors.shape[1], loss_chunk_size=7, grad_clip=1.0,
+                        position_weights="decay")
+    setup = Setup(cfg=train, device=torch.device("cpu"), attention="sdpa", compile="none", autocast_dtype=None,
+                  target_dtype=torch.float32, label_shift=0, mask_token_id=V - 1, layer_ids=cfg.target_layer_ids,
+                  gamma=7.0, rank_batch=ids.shape[0], world_size=1, selector_weight=selector_weight,
+                  objective=Objective("kl", multiplier=0.5, cap=20.0))
+    plain = DFlashDrafter(cfg)
+    inner = DFlashDrafter(cfg)
+    inner.load_state_dict(plain.state_dict())
+    ddp = torch.nn.parallel.DistributedDataParallel(inner, gradient_as_bucket_view=True,
+                                                    find_unused_parameters=selector_weight == 0)
+    before = {n: p.detach().clone() for n, p in plain.named_parameters()}
+    runs = []
+    for model, module in ((plain, plain), (ddp, inner)):
+        opt = adamw(module, 1e-2, 0.1, torch.device("cpu"), world_size=1)
+        runs.append([train_step(model, target, opt, batch, 1e-2, setup) for _ in range(3)])
+    assert runs[0] == runs[1]  # loss, accuracy, grad norm: the same floats
+    assert all(p.grad is not None for p in plain.parameters())
+    moved = {n for n, p in plain.named_parameters() if not torch.equal(p, before[n])}
+    for (n, p), q in zip(plain.named_parameters(), inner.parameters()):
+        assert torch.equal(p, q), n
+    selector = {n for n, _ in plain.named_parameters() if n.startswith("candidate_selector.")}
+    assert selector and {n for n in selector if before[n].any()} <= moved  # trained, or (weight 0) decayed

@@ -484,8 +484,9 @@ def selector_loss(
     if found is not None and "candidate_logits" in found:  # one pass over every row (weight 0: adds 0)
         cand, raw = found["candidates"].reshape(-1, k).clone(), found["candidate_logits"].reshape(-1, k).clone()
         miss = (cand != tgt[:, None]).all(-1)
-        cand[miss, -1] = tgt[miss]
-        raw[miss, -1] = found["chosen_logit"].reshape(-1)[miss]
+        # where, not a boolean index: an index by a mask waits for the GPU to count it
+        cand[:, -1] = torch.where(miss, tgt, cand[:, -1])
+        raw[:, -1] = torch.where(miss, found["chosen_logit"].reshape(-1).to(raw.dtype), raw[:, -1])
         return loss(h, cand, _CandidateLogits.apply(h, lm_head_weight, cand, raw), tgt, prev, w)
     idx = (w > 0).nonzero(as_tuple=True)[0]
     total = (hidden.sum() * 0.0).float()

@@ -225,7 +225,7 @@ def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
 def train_step(model, target, opt, batch, lr: float, setup: Setup, mark=_no_mark) -> dict:
     """One optimiser step of this rank on its slice of the global batch (collectives inside).
 
-    ``model``: the drafter in DistributedDataParallel (any K, K=1 included);
+    ``model``: the drafter, in DistributedDataParallel when K > 1;
     ``opt``: its optimiser (ZeRO-1 sharded AdamW in the pipeline). Returns the
     global (all-ranks) loss, acc, weight, context tokens and the pre-clip
     global grad norm. ``mark(phase)``: see :func:`forward_loss`; also called
@@ -235,9 +235,12 @@ def train_step(model, target, opt, batch, lr: float, setup: Setup, mark=_no_mark
     params = [p for p in model.parameters() if p.requires_grad]
     for group in opt.param_groups:
         group["lr"] = lr
-    # zeroed in place, not set to None: after DDP's first step the gradients are views of its
-    # all-reduce buckets (gradient_as_bucket_view); fresh gradient tensors would be a second copy
-    opt.zero_grad(set_to_none=False)
+    # DDP (K > 1): zeroed in place, not set to None: after its first step the gradients are views of its
+    # all-reduce buckets (gradient_as_bucket_view); fresh gradient tensors would be a second copy.
+    # One rank: set to None, so the backward writes each gradient once (no zero fill, no add) and the
+    # forward runs without the gradients' memory
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    opt.zero_grad(set_to_none=not ddp)
     loss_sum, correct, loss_w, acc_w = forward_loss(model, target, batch, setup, mark)
     tokens = torch.tensor(float(batch.num_tokens), device=acc_w.device)
     stats = all_reduce_(torch.stack([loss_sum.detach(), correct, loss_w, acc_w, tokens]).float())  # global sums
@@ -245,6 +248,9 @@ def train_step(model, target, opt, batch, lr: float, setup: Setup, mark=_no_mark
     world_size = torch.distributed.get_world_size()
     (loss_sum * world_size / w_global).backward()  # DDP averages over the K ranks
     mark("backward")
+    for p in params:  # a parameter the loss did not reach steps on a zero gradient, as with DDP (weight decay)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     if setup.cfg.grad_clip > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, setup.cfg.grad_clip)
     else:
