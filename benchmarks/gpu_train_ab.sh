@@ -3,7 +3,8 @@
 # default recipe (DFlash 2 + KL) at Qwen3-8B's shapes on the baseline tree (this one with PATCH reversed) and on
 # this one, then the paper's recipe (DFlash + CE) on this one (benchmarks/train_throughput.py, one rank).
 #   git diff BASE -- workflow > PATCH; bash benchmarks/gpu_train_ab.sh OUT_DIR PATCH
-# Env: ORDER="new base" (the first run also pays the cold compile; the shared cache serves the second).
+# Env: ORDER="new base" (the first run also pays the cold compile; the shared cache serves the second);
+# STEPS (train_throughput's, default 20); CE=0: no paper's-recipe row.
 set -uo pipefail
 out=$(realpath -m "${1:?usage: gpu_train_ab.sh OUT_DIR PATCH}"); patch_file=$(realpath "${2:?usage: gpu_train_ab.sh OUT_DIR PATCH}")
 mkdir -p "$out"
@@ -15,11 +16,11 @@ cache=$(mktemp -d)  # shared: the two trees' compiled graphs are the same where 
 run() {  # NAME TREE SECONDS ARGS...
   local name=$1 tree=$2 limit=$3; shift 3
   echo "[$(date +%T)] $name"
-  timeout "$limit" python3 "$tree/benchmarks/train_throughput.py" --cache "$cache" --out "$out/$name.json" "$@" > "$out/$name.log" 2>&1
+  timeout "$limit" python3 "$tree/benchmarks/train_throughput.py" --cache "$cache" --steps "${STEPS:-20}" --out "$out/$name.json" "$@" > "$out/$name.log" 2>&1
   echo "rc $?"; grep -E '"(context_tokens_per_s|step_s|peak_gib|mfu|error)"' "$out/$name.json" 2>/dev/null || tail -3 "$out/$name.log"
 }
 for which in ${ORDER:-base new}; do
   if [ "$which" = base ]; then run dflash2_kl_base "$base" 200; else run dflash2_kl_new . 200; fi
 done
-run dflash_ce_new . 150 --set arch=dflash loss=ce
+[ "${CE:-1}" = 0 ] || run dflash_ce_new . 150 --set arch=dflash loss=ce
 echo "[$(date +%T)] done"
