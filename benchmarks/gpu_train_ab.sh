@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A training-step change beside its baseline, in one call on one GPU (issue 69; at most 9.5 minutes): the
 # default recipe (DFlash 2 + KL) at Qwen3-8B's shapes on the baseline tree (this one with PATCH reversed) and on
-# this one, then the paper's recipe (DFlash + CE) on this one (benchmarks/train_throughput.py, one rank).
+# this one (with its profile, the GPU's idle gaps and the host's syncs), then the paper's recipe (DFlash + CE) on
+# this one (benchmarks/train_throughput.py, one rank).
 #   git diff BASE -- workflow > PATCH; bash benchmarks/gpu_train_ab.sh OUT_DIR PATCH
 # Env: ORDER="new base" (the first run also pays the cold compile; the shared cache serves the second);
 # STEPS (train_throughput's, default 20); CE=0: no paper's-recipe row.
@@ -20,7 +21,8 @@ run() {  # NAME TREE SECONDS ARGS...
   echo "rc $?"; grep -E '"(context_tokens_per_s|step_s|peak_gib|mfu|error)"' "$out/$name.json" 2>/dev/null || tail -3 "$out/$name.log"
 }
 for which in ${ORDER:-base new}; do
-  if [ "$which" = base ]; then run dflash2_kl_base "$base" 200; else run dflash2_kl_new . 200; fi
+  if [ "$which" = base ]; then run dflash2_kl_base "$base" 200
+  else run dflash2_kl_new . 220 --profile "$out/profile_dflash2_kl_new.txt" --syncs "$out/syncs_dflash2_kl_new.txt"; fi
 done
 [ "${CE:-1}" = 0 ] || run dflash_ce_new . 150 --set arch=dflash loss=ce
 echo "[$(date +%T)] done"

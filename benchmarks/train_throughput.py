@@ -229,6 +229,8 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
             write_memory_peak(a.memory, lambda: train_step(model, target, opt, batches[0], 6e-4, setup))
         if a.profile and rank == 0:
             write_profile(a.profile, lambda: [train_step(model, target, opt, b, 6e-4, setup) for b in batches[:3]], cuda)
+        if a.syncs and rank == 0 and cuda:
+            write_syncs(a.syncs, lambda: [train_step(model, target, opt, b, 6e-4, setup) for b in batches[:3]])
     except RuntimeError as err:
         result["error"] = str(err).strip().splitlines()[0]
         result["memory"] = mem
@@ -317,6 +319,7 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default=None, help="compile cache dir to share between calls (default: a fresh one)")
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, help="write a torch.profiler table of 3 steps (rank 0) to this file")
+    p.add_argument("--syncs", default=None, help="write the host syncs of 3 steps, by calling line (rank 0, CUDA), to this file")
     p.add_argument("--memory", default=None, help="write what is allocated at one step's memory peak (rank 0, CUDA) to this file")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: "rank,world,rendezvous"
     a = p.parse_args(argv)
@@ -419,12 +422,70 @@ def write_profile(path: str, run, cuda: bool) -> None:
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in kernels)
         head += f"; GPU kernels {len(kernels) / steps:.0f}, busy {busy / 1000 / steps:.1f} ms"
+        head += "\n" + idle_gaps(prof.events(), steps)
     key = "cuda_time_total" if cuda else "cpu_time_total"
     tables = [head, prof.key_averages().table(sort_by=key, row_limit=45, max_name_column_width=90)]
     if cuda:  # the same ops by their own GPU time: the kernels that fill the step
         tables.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45,
                                                 max_name_column_width=90))
     Path(path).write_text("\n\n".join(tables) + "\n")
+
+
+def idle_gaps(events, steps: int, min_us: float = 20.0, top: int = 15) -> str:
+    """Where the GPU waits inside the profiled steps: the gaps of at least ``min_us`` between its kernels (all
+    streams merged), their sum per step, and the longest with the CPU op that was running when each ended
+    (the one that launched the next kernel, or the sync the host was blocked in before it)."""
+    gpu = sorted((e.time_range.start, e.time_range.end) for e in events
+                 if e.device_type == torch.autograd.DeviceType.CUDA)
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    gaps, end = [], None
+    for start, stop in gpu:
+        if end is not None and start - end >= min_us:
+            gaps.append((start - end, end, start))
+        end = stop if end is None else max(end, stop)
+
+    def cpu_op_at(t):  # the innermost op open at time t (the shortest that spans it), and the CUDA runtime call
+        spans = sorted((e for e in cpu if e.time_range.start <= t <= e.time_range.end),
+                       key=lambda e: e.time_range.end - e.time_range.start)
+        op = next((e.name for e in spans if not e.name.startswith("cuda")), "-")
+        call = next((e.name for e in spans if e.name.startswith("cuda")), "")
+        return f"{op} {call}".strip()
+
+    lines = [f"GPU idle inside the steps: {sum(g for g, _, _ in gaps) / 1000 / steps:.1f} ms a step in "
+             f"{len(gaps) / steps:.0f} gaps of >= {min_us:.0f} us; the longest (us, the CPU op open as it ended):"]
+    for g, _, stop in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {g:8.0f}  {cpu_op_at(stop - 1)}")
+    return "\n".join(lines)
+
+
+def write_syncs(path: str, run) -> None:
+    """Every operation that makes the host wait for the GPU in ``run()`` (torch's sync debug mode), counted by
+    the line of the repo's code that called it."""
+    import traceback
+    import warnings
+
+    found: dict[str, int] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack() if "/workflow/" in f.filename or "/benchmarks/" in f.filename]
+        where = next((f"{Path(f.filename).name}:{f.lineno} {f.line}" for f in reversed(frames)), "?")
+        key = f"{str(message).splitlines()[0][:60]} | {where}"
+        found[key] = found.get(key, 0) + 1
+
+    shown, mode = warnings.showwarning, torch.cuda.get_sync_debug_mode()
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            steps = len(run())
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+        warnings.showwarning = shown
+    lines = [f"host syncs per step ({steps} steps), by the calling line:"]
+    lines += [f"{n / steps:6.1f}  {k}" for k, n in sorted(found.items(), key=lambda kv: -kv[1])]
+    Path(path).write_text("\n".join(lines) + "\n")
 
 
 def finish(result: dict, out: str | None) -> int:
