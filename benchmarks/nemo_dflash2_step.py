@@ -61,7 +61,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
 
-from specforge_step import Clock, package_version  # noqa: E402
+from specforge_step import package_version, time_steps  # noqa: E402
 from train_throughput import GIB, QWEN3_8B, TINY, build_target, finish  # noqa: E402
 
 # the DFlash 2 metrics the recipe reads back with float() each step (loss, accuracy, window sums)
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     attention_mask = torch.ones(B, S, dtype=torch.long, device=dev)
     loss_mask = torch.tensor([[0.0] * (S // 8) + [1.0] * (S - S // 8)] * B, device=dev)
-    clock: list[Clock | None] = [None]
+    clock: list = [None]  # the Clock of a split step, else None
 
     def mark(phase):
         if clock[0] is not None:
@@ -199,22 +199,7 @@ def main(argv=None) -> int:
             mem["after_step_gib"] = torch.cuda.memory_allocated() / GIB
             torch.cuda.reset_peak_memory_stats()
         ids = [torch.randint(0, tcfg.vocab_size - 2, (B, S), generator=g).to(dev) for _ in range(steps)]
-        sync()
-        t0 = time.perf_counter()
-        for x in ids:  # back to back: only NeMo's own host syncs
-            m, norm = step(x)
-        sync()
-        step_s = (time.perf_counter() - t0) / steps
-        if cuda:
-            mem["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
-            mem["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
-        c = Clock(sync)
-        clock[0] = c
-        for x in ids:
-            c.start()
-            step(x)
-        clock[0] = None
-        split = {k: 1000 * v / steps for k, v in c.split.items()}
+        step_s, split, (m, norm) = time_steps(step, ids, sync, clock, mem, cuda)
     except RuntimeError as err:  # torch.OutOfMemoryError included
         result["error"] = str(err).strip().splitlines()[0]
         result["memory"] = mem

@@ -119,6 +119,29 @@ class Clock:
         self.last = now
 
 
+def time_steps(step, ids: list, sync, clock: list, mem: dict, cuda: bool):
+    """A peer's steps timed as train_throughput times ours: ``step(x)`` over ``ids`` back to back (only the
+    peer's own host syncs; the peak memory into ``mem``), then again, each step split at the phase marks
+    ``step`` books into ``clock[0]``. Returns (seconds a step, {phase: ms a step}, the last step's result)."""
+    steps = len(ids)
+    sync()
+    t0 = time.perf_counter()
+    for x in ids:
+        last = step(x)
+    sync()
+    step_s = (time.perf_counter() - t0) / steps
+    if cuda:
+        mem["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+        mem["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+    c = Clock(sync)
+    clock[0] = c
+    for x in ids:
+        c.start()
+        step(x)
+    clock[0] = None
+    return step_s, {k: 1000 * v / steps for k, v in c.split.items()}, last
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
@@ -288,23 +311,7 @@ def main(argv=None) -> int:
         if cuda:
             mem["after_step_gib"] = torch.cuda.memory_allocated() / GIB
             torch.cuda.reset_peak_memory_stats()
-        ids = [inputs() for _ in range(steps)]
-        sync()
-        t0 = time.perf_counter()
-        for x in ids:  # back to back: only SpecForge's own host syncs
-            r = step(x)
-        sync()
-        step_s = (time.perf_counter() - t0) / steps
-        if cuda:
-            mem["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
-            mem["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
-        c = Clock(sync)
-        clock[0] = c
-        for x in ids:
-            c.start()
-            step(x)
-        clock[0] = None
-        split = {k: 1000 * v / steps for k, v in c.split.items()}
+        step_s, split, r = time_steps(step, [inputs() for _ in range(steps)], sync, clock, mem, cuda)
     except RuntimeError as err:
         result["error"] = str(err).strip().splitlines()[0]
         result["memory"] = mem
