@@ -238,7 +238,8 @@ def train_step(model, target, opt, batch, lr: float, setup: Setup, mark=_no_mark
     # DDP (K > 1): zeroed in place, not set to None: after its first step the gradients are views of its
     # all-reduce buckets (gradient_as_bucket_view); fresh gradient tensors would be a second copy.
     # One rank: set to None, so the backward writes each gradient once (no zero fill, no add) and the
-    # forward runs without the gradients' memory
+    # forward runs without the gradients' memory (a parameter the loss does not reach keeps None: AdamW
+    # skips it, as it always did at K = 1)
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     opt.zero_grad(set_to_none=not ddp)
     loss_sum, correct, loss_w, acc_w = forward_loss(model, target, batch, setup, mark)
@@ -248,13 +249,10 @@ def train_step(model, target, opt, batch, lr: float, setup: Setup, mark=_no_mark
     world_size = torch.distributed.get_world_size()
     (loss_sum * world_size / w_global).backward()  # DDP averages over the K ranks
     mark("backward")
-    for p in params:  # a parameter the loss did not reach steps on a zero gradient, as with DDP (weight decay)
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
     if setup.cfg.grad_clip > 0:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, setup.cfg.grad_clip)
     else:
-        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
     opt.step()
     mark("optimizer")
     loss, acc, gn = (stats[0] / w_global).item(), (stats[1] / acc_global).item(), grad_norm.item()
