@@ -459,18 +459,20 @@ def idle_gaps(events, steps: int, min_us: float = 20.0, top: int = 15) -> str:
 
 
 def write_syncs(path: str, run) -> None:
-    """Every operation that makes the host wait for the GPU in ``run()`` (torch's sync debug mode), counted by
-    the line of the repo's code that called it."""
+    """The operations that make the host wait for the GPU in ``run()``, as torch's sync debug mode reports them
+    (not every sync: not collectives, not the allocator's), counted by the line of the repo's code that called it."""
     import traceback
     import warnings
 
     found: dict[str, int] = {}
 
     def record(message, category, filename, lineno, file=None, line=None):
-        frames = [f for f in traceback.extract_stack() if "/workflow/" in f.filename or "/benchmarks/" in f.filename]
+        if "synchronizing CUDA operation" not in str(message):  # other warnings are not syncs
+            return
+        frames = [f for f in traceback.extract_stack()[:-1]  # less this function's own frame
+                  if "/workflow/" in f.filename or "/benchmarks/" in f.filename]
         where = next((f"{Path(f.filename).name}:{f.lineno} {f.line}" for f in reversed(frames)), "?")
-        key = f"{str(message).splitlines()[0][:60]} | {where}"
-        found[key] = found.get(key, 0) + 1
+        found[where] = found.get(where, 0) + 1
 
     shown, mode = warnings.showwarning, torch.cuda.get_sync_debug_mode()
     warnings.showwarning = record
@@ -483,7 +485,8 @@ def write_syncs(path: str, run) -> None:
     finally:
         torch.cuda.set_sync_debug_mode(mode)
         warnings.showwarning = shown
-    lines = [f"host syncs per step ({steps} steps), by the calling line:"]
+    lines = [f"host syncs per step ({steps} steps) that torch's sync debug mode reports, by the calling line (those "
+             "of the autograd engine's threads are replayed after the backward: its line)"]
     lines += [f"{n / steps:6.1f}  {k}" for k, n in sorted(found.items(), key=lambda kv: -kv[1])]
     Path(path).write_text("\n".join(lines) + "\n")
 
