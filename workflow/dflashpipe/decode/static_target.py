@@ -58,8 +58,10 @@ KV_BLOCK = 128
 #: flex_attention's kernel_options for its main kernel. Flex picks its decoding kernel for a few queries, which
 #: with grouped query heads and these masks decoded other tokens than the eager loop in a verify (torch 2.11, an
 #: H200: benchmarks/results/smollm2_h200_s19/) and drafted others in the static drafter (an H100, the tiny
-#: target: held-out math tau 1.44 against 3.62; h100_eval_modes/); one token it decodes right
-FLEX_MAIN_KERNEL = {"FORCE_USE_FLEX_ATTENTION": True}
+#: target: held-out math tau 1.44 against 3.62; h100_eval_modes/); one token it decodes right. Its tiles: 16 queries
+#: (a verify or a draft has 8-16; the default 128 were mostly padding) by 64 keys (32 computed wrong drafts):
+#: benchmarks/flex_blocks.py, benchmarks/results/h100_train_ab/
+FLEX_MAIN_KERNEL = {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4}
 
 
 def flex_attention_for(compiled: bool, dtype, attention: str = "auto") -> bool:
