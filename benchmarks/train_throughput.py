@@ -474,17 +474,15 @@ def write_syncs(path: str, run) -> None:
         where = next((f"{Path(f.filename).name}:{f.lineno} {f.line}" for f in reversed(frames)), "?")
         found[where] = found.get(where, 0) + 1
 
-    shown, mode = warnings.showwarning, torch.cuda.get_sync_debug_mode()
-    warnings.showwarning = record
-    torch.cuda.set_sync_debug_mode("warn")
+    mode = torch.cuda.get_sync_debug_mode()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # restores the filters and showwarning on the way out
             warnings.simplefilter("always")
             warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
             steps = len(run())
     finally:
         torch.cuda.set_sync_debug_mode(mode)
-        warnings.showwarning = shown
     lines = [f"host syncs per step ({steps} steps) that torch's sync debug mode reports, by the calling line (those "
              "of the autograd engine's threads are replayed after the backward: its line)"]
     lines += [f"{n / steps:6.1f}  {k}" for k, n in sorted(found.items(), key=lambda kv: -kv[1])]
