@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 from dflashpipe.drafter.masks import (
     block_mask,
@@ -124,6 +125,38 @@ def test_block_mask_agrees_with_dense():
     B, _, Q, K = dense.shape
     dense_tiles = dense[:, 0].view(B, Q // 4, 4, K // 4, 4).any(dim=(2, 4))
     assert torch.equal(tiles.bool(), dense_tiles)
+
+
+# (B, S, N, bs, window, BLOCK_SIZE, valid rows): tiles of 128 (the default) and small ones; S and N*bs that are
+# and are not multiples of a tile; full and sliding windows; padded blocks (keep False) and empty rows
+_TILE_CASES = [
+    (2, 1024, 128, 8, None, 128, [(0, 1024), (300, 360)]),
+    (1, 3072, 512, 16, None, 128, [(100, 3072)]),
+    (3, 200, 12, 8, 37, 16, [(0, 200), (150, 200), (0, 0)]),
+    (2, 77, 9, 5, 9, (8, 16), [(0, 77), (20, 26)]),
+    (2, 64, 6, 4, None, 4, [(0, 64), (60, 64)]),
+]
+
+
+@pytest.mark.parametrize("B,S,N,bs,window,tile,spans", _TILE_CASES)
+def test_block_mask_is_create_block_mask_tile_for_tile(B, S, N, bs, window, tile, spans):
+    """The tiles counted from the anchors are the ones create_block_mask finds on the whole grid: the same
+    partial and full tiles, in the same order, both ways round (the backward reads the q-major lists)."""
+    lm = torch.zeros(B, S, dtype=torch.bool)
+    for i, (lo, hi) in enumerate(spans):
+        lm[i, lo:hi] = True
+    anchors, keep = sample_anchors(lm, N, bs, torch.Generator().manual_seed(B * S + N))
+    assert (~keep).any() == (B > 1)  # padded blocks (a short row) in every case but the long one
+    ours = block_mask(anchors, keep, S, bs, device="cpu", window=window, BLOCK_SIZE=tile)
+    ref = create_block_mask(dflash_mask_mod(anchors, keep, S, bs, window), B, None, N * bs, S + N * bs, device="cpu",
+                            BLOCK_SIZE=tile)
+    assert ours.BLOCK_SIZE == ref.BLOCK_SIZE and ours.seq_lengths == ref.seq_lengths
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+                 "full_q_num_blocks", "full_q_indices"):
+        mine, theirs = getattr(ours, name), getattr(ref, name)
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs), name
+    assert ours.kv_num_blocks.sum() > 0 and (window is not None or ours.full_kv_num_blocks.sum() > 0)  # both kinds
+    assert torch.equal(ours.to_dense(), ref.to_dense())
 
 
 def test_block_position_ids():

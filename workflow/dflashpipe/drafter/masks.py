@@ -8,15 +8,17 @@ Layout of one training sequence (length S) with N blocks of size bs:
   shift of 1 (DSpark) position k predicts a_b + k + 1 (k = 0..bs-1 are trained)
 
 ONE mask function, :func:`dflash_mask_mod`, defines visibility; it is evaluated
-on index grids for the dense SDPA mask (:func:`dense_mask`, CPU training) and by
-``create_block_mask`` for flex_attention (:func:`block_mask`, GPU training), so
-the two can never disagree.
+on index grids for the dense SDPA mask (:func:`dense_mask`, CPU training) and
+inside flex_attention's partial tiles (:func:`block_mask`, GPU training). Which
+tiles flex visits, :func:`block_mask` counts from the anchors (each query sees
+two intervals of keys); ``tests/test_drafter_masks.py`` holds it equal to
+``create_block_mask`` on the same mask function.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask
+from torch.nn.attention.flex_attention import BlockMask
 
 _KNOWN_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
@@ -137,15 +139,46 @@ def dense_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, block_si
 
 
 def block_mask(anchors: torch.Tensor, keep: torch.Tensor, seq_len: int, block_size: int, device=None,
-               window: int | None = None, **kwargs):
-    """flex_attention ``BlockMask`` for (Q=N*bs, KV=S+N*bs) from the same :func:`dflash_mask_mod`.
+               window: int | None = None, BLOCK_SIZE: int | tuple[int, int] = 128) -> BlockMask:
+    """flex_attention ``BlockMask`` for (Q=N*bs, KV=S+N*bs) of :func:`dflash_mask_mod`: the one
+    ``create_block_mask(dflash_mask_mod(...), B, None, Q, KV, BLOCK_SIZE=...)`` builds, tile for tile.
 
-    Extra kwargs (e.g. ``BLOCK_SIZE``) go to ``create_block_mask``.
+    ``create_block_mask`` evaluates the mask on the whole B x Q x KV grid and sums it per tile (at Qwen3-8B's
+    training shapes, 92 M entries a step, summed as int64: a dozen launches and ~0.7 GB of temporaries).
+    Here each query row's visible keys are two intervals (its context [lo, anchor) and its own block), so a
+    tile's count of visible entries is a sum of interval overlaps over B x Q x KV/``BLOCK_SIZE``: a tile is
+    full when every entry is visible, partial (``mask_mod`` applied) when some are. Queries past N*bs
+    (the padding of Q to a tile) and keys past KV see nothing, as there.
     """
     B, N = anchors.shape
-    device = anchors.device if device is None else device
-    mod = dflash_mask_mod(anchors, keep, seq_len, block_size, window)
-    return create_block_mask(mod, B, None, N * block_size, seq_len + N * block_size, device=device, **kwargs)
+    S, bs = int(seq_len), int(block_size)
+    device = anchors.device if device is None else torch.device(device)
+    anchors, keep = anchors.to(device), keep.to(device)
+    qb, kb = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else BLOCK_SIZE
+    Q, KV = N * bs, S + N * bs
+    n_q, n_kv = -(-Q // qb), -(-KV // kb)
+    q = torch.arange(n_q * qb, device=device)
+    bq = torch.clamp(q // bs, max=N - 1)
+    live = (q < Q) & keep[:, bq]  # [B, Qpad]
+    a = anchors[:, bq].clamp(max=S)
+    lo = (a + q % bs - int(window) + 1).clamp(min=0) if window is not None else torch.zeros_like(a)
+    own = S + bq * bs  # the query's own block: keys [own, own + bs)
+    start = torch.arange(n_kv, device=device) * kb  # [n_kv]: each key tile [start, start + kb)
+
+    def overlap(lo, hi):  # [B, Qpad, n_kv]: keys of [lo, hi) in each tile
+        return (torch.minimum(hi[..., None], start + kb) - torch.maximum(lo[..., None], start)).clamp(min=0)
+
+    seen = (overlap(lo, a) + overlap(own.expand_as(a), own.expand_as(a) + bs)) * live[..., None]
+    count = seen.view(B, n_q, qb, n_kv).sum(dim=2)[:, None]  # [B, 1, n_q, n_kv]
+    full = count == qb * kb
+    partial = (count > 0) & ~full
+
+    def ordered(tiles):  # as create_block_mask lists them: how many per query tile, then which (stable order)
+        tiles = tiles.to(torch.int32)
+        return tiles.sum(dim=-1, dtype=torch.int32), torch.argsort(tiles, dim=-1, descending=True, stable=True).to(torch.int32)
+
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=(qb, kb),
+                                    mask_mod=dflash_mask_mod(anchors, keep, S, bs, window), seq_lengths=(Q, KV))
 
 
 def block_position_ids(anchors: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
