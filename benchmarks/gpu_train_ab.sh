@@ -18,7 +18,7 @@ run() {  # NAME TREE SECONDS ARGS...
   local name=$1 tree=$2 limit=$3; shift 3
   echo "[$(date +%T)] $name"
   timeout "$limit" python3 "$tree/benchmarks/train_throughput.py" --cache "$cache" --steps "${STEPS:-20}" --out "$out/$name.json" "$@" > "$out/$name.log" 2>&1
-  echo "rc $?"; grep -E '"(context_tokens_per_s|step_s|peak_gib|mfu|error)"' "$out/$name.json" 2>/dev/null || tail -3 "$out/$name.log"
+  echo "rc $?"; python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print({k: r.get(k) for k in ('context_tokens_per_s', 'step_s', 'split_ms', 'mfu', 'first_losses', 'error')}, r.get('memory', {}).get('peak_gib'))" "$out/$name.json" 2>/dev/null || tail -3 "$out/$name.log"
 }
 for which in ${ORDER:-base new}; do
   if [ "$which" = base ]; then run dflash2_kl_base "$base" 200

@@ -203,10 +203,12 @@ def worker(a, rank: int, world: int, rdzv: str) -> dict | None:
               "compile": setup.compile if setup.attention == "flex" else "none (sdpa)"}
     try:
         t0 = time.perf_counter()
-        train_step(model, target, opt, batch(0), 6e-4, setup)  # compile + first step (allocates AdamW state)
+        first = train_step(model, target, opt, batch(0), 6e-4, setup)  # compile + first step (allocates AdamW state)
         sync()
         result["first_step_s"] = time.perf_counter() - t0
-        train_step(model, target, opt, batch(1), 6e-4, setup)
+        second = train_step(model, target, opt, batch(1), 6e-4, setup)
+        # the first two steps' losses: two trees (gpu_train_ab.sh) that compute the same step give the same figures
+        result["first_losses"] = [first["loss"], second["loss"]]
         if cuda:
             sync()
             mem["after_step_gib"] = torch.cuda.memory_allocated() / GIB  # target + drafter + grads + AdamW share
