@@ -5,7 +5,7 @@
 # then the new draft's kernels at SmolLM2's shapes. The baseline is this tree with PATCH reversed
 # (`git diff BASE > PATCH` before the call; carry the patch).
 #   bash benchmarks/gpu_batch1_ab.sh OUT_DIR PATCH
-# Env: SKIP_CHECKS=1, SKIP_PROFILE=1, ORDER="new base", BATCH1_TIMEOUT_S (170 a run).
+# Env: SKIP_CHECKS=1, SKIP_PROFILE=1, ORDER="new base", BATCH1_TIMEOUT_S (170 a run), SHAPES (qwen3_8b smollm2).
 set -uo pipefail
 out=$(realpath -m "${1:?usage: gpu_batch1_ab.sh OUT_DIR PATCH}"); patch_file=$(realpath "${2:?usage: gpu_batch1_ab.sh OUT_DIR PATCH}")
 mkdir -p "$out"
@@ -22,7 +22,7 @@ batch1() {  # name tree args...
     "$@" --out "$out/$name.json" > "$out/$name.log" 2>&1; echo "rc $?"
   grep -E '"(ar_static_compiled_ms|dflash_block_static|draft_static|verify_static)' "$out/$name.log" | tail -5
 }
-for shapes in qwen3_8b smollm2; do
+for shapes in ${SHAPES:-qwen3_8b smollm2}; do
   args=(--shapes "$shapes"); [ "$shapes" = smollm2 ] && args+=(--block-size 8 --arch dflash2)
   for which in ${ORDER:-base new}; do  # ORDER="new base": the first run of a shape also pays the cold compile
     if [ "$which" = base ]; then batch1 "batch1_${shapes}_base" "$base" "${args[@]}"; else batch1 "batch1_${shapes}_new" . "${args[@]}"; fi
