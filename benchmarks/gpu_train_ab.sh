@@ -5,7 +5,7 @@
 # this one (benchmarks/train_throughput.py, one rank).
 #   git diff BASE -- workflow > PATCH; bash benchmarks/gpu_train_ab.sh OUT_DIR PATCH
 # Env: ORDER="new base" (the first run also pays the cold compile; the shared cache serves the second);
-# STEPS (train_throughput's, default 20); CE=0: no paper's-recipe row.
+# STEPS (train_throughput's, default 20); CE=0: no paper's-recipe row; PROFILE=0: no profile or syncs.
 set -uo pipefail
 out=$(realpath -m "${1:?usage: gpu_train_ab.sh OUT_DIR PATCH}"); patch_file=$(realpath "${2:?usage: gpu_train_ab.sh OUT_DIR PATCH}")
 mkdir -p "$out"
@@ -22,6 +22,7 @@ run() {  # NAME TREE SECONDS ARGS...
 }
 for which in ${ORDER:-base new}; do
   if [ "$which" = base ]; then run dflash2_kl_base "$base" 200
+  elif [ "${PROFILE:-1}" = 0 ]; then run dflash2_kl_new . 200
   else run dflash2_kl_new . 220 --profile "$out/profile_dflash2_kl_new.txt" --syncs "$out/syncs_dflash2_kl_new.txt"; fi
 done
 [ "${CE:-1}" = 0 ] || run dflash_ce_new . 150 --set arch=dflash loss=ce
