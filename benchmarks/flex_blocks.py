@@ -104,21 +104,35 @@ def run(step: str, device, capacity: int, valid: int, reps: int, compile: bool, 
     variants["decoding_kernel"] = None
     out = {"shape": {"query_heads": Hq, "kv_heads": Hkv, "head_dim": D, "queries": Q, "keys": keys, "live": valid}}
     ref = None
+    global _CAPTURE_BROKEN
     for name, opts in variants.items():
         fn = functools.partial(flex_attention, block_mask=mask, enable_gqa=Hq != Hkv, kernel_options=opts)
         if compile:
             fn = torch.compile(fn, dynamic=False)
         try:
             o = fn(q, k, v)
-            ref = o if ref is None else ref
-            r = {"max_abs_diff_vs_default": float((o.float() - ref.float()).abs().max())}
-            if device.type == "cuda":
-                r["us"] = round(timed_graph(lambda fn=fn: fn(q, k, v), reps), 2)
         except Exception as err:  # a tile the kernel refuses: say so, go on
-            r = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+            out[name] = r = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+            print(json.dumps({step: {name: r}}), flush=True)
+            continue
+        ref = o if ref is None else ref
+        r = {"max_abs_diff_vs_default": float((o.float() - ref.float()).abs().max())}
+        if device.type == "cuda" and _CAPTURE_BROKEN:
+            r["us"] = None
+            r["not_timed"] = f"a capture failed earlier in this process ({_CAPTURE_BROKEN}): time this tile alone"
+        elif device.type == "cuda":
+            try:
+                r["us"] = round(timed_graph(lambda fn=fn: fn(q, k, v), reps), 2)
+            except Exception as err:  # after a failed capture every later one in the process fails (an H100)
+                r["error"] = f"capture: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                _CAPTURE_BROKEN = f"{step} {name}"
         out[name] = r
         print(json.dumps({step: {name: r}}), flush=True)
     return out
+
+
+#: the first variant whose CUDA graph capture failed in this process (None: none has)
+_CAPTURE_BROKEN: str | None = None
 
 
 def main() -> None:
