@@ -90,7 +90,12 @@ def timed_graph(fn, reps: int) -> float:
     return best
 
 
+#: the first variant whose CUDA graph capture failed in this process (None: none has)
+_CAPTURE_BROKEN: str | None = None
+
+
 def run(step: str, device, capacity: int, valid: int, reps: int, compile: bool, tiles=TILES) -> dict:
+    global _CAPTURE_BROKEN
     Hq, Hkv, D, Q = SHAPES[step]
     keys, mask = masks(step, Q, capacity, valid, device)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -104,7 +109,6 @@ def run(step: str, device, capacity: int, valid: int, reps: int, compile: bool, 
     variants["decoding_kernel"] = None
     out = {"shape": {"query_heads": Hq, "kv_heads": Hkv, "head_dim": D, "queries": Q, "keys": keys, "live": valid}}
     ref = None
-    global _CAPTURE_BROKEN
     for name, opts in variants.items():
         fn = functools.partial(flex_attention, block_mask=mask, enable_gqa=Hq != Hkv, kernel_options=opts)
         if compile:
@@ -129,10 +133,6 @@ def run(step: str, device, capacity: int, valid: int, reps: int, compile: bool, 
         out[name] = r
         print(json.dumps({step: {name: r}}), flush=True)
     return out
-
-
-#: the first variant whose CUDA graph capture failed in this process (None: none has)
-_CAPTURE_BROKEN: str | None = None
 
 
 def main() -> None:
