@@ -223,6 +223,31 @@ def test_fused_projections_give_the_same_block_forward(arch):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_dflash2_convolutions_run_in_the_dtype_of_the_matmuls_around_them():
+    """Under autocast (bf16 training on a GPU) DFlash 2's convolution before a sub-layer reads the bf16 its
+    matmuls read, not the fp32 a norm with fp32 weights gives: the same values as the conv of that bf16
+    input (what decoding, all bf16, computes), at half the bytes. Without autocast (fp32, the CPU) nothing
+    is cast."""
+    from dflashpipe.drafter.model import GroupedDynamicConv, _grouped_causal_conv
+
+    torch.manual_seed(0)
+    cfg = tiny_cfg(arch="dflash2")
+    conv = GroupedDynamicConv(cfg)
+    for p in conv.parameters():  # off the identity init
+        p.data.normal_(0, 0.2)
+    x = torch.randn(2, 3 * cfg.block_size, H)  # fp32, as the norm before it gives
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, kernel = conv.prepare(x)
+        dyn = conv.kernel_projection(x).view(*x.shape[:-1], 2, conv.kernel_size, conv.groups)
+    assert out.dtype == kernel.dtype == torch.bfloat16
+    ref = _grouped_causal_conv(x.bfloat16(), dyn[..., 0, :, :], conv.base_kernel[0], cfg.block_size)
+    assert torch.equal(out, ref)
+    out32, _ = conv.prepare(x)
+    assert out32.dtype == torch.float32
+    dyn32 = conv.kernel_projection(x).view(*x.shape[:-1], 2, conv.kernel_size, conv.groups)
+    assert torch.equal(out32, _grouped_causal_conv(x, dyn32[..., 0, :, :], conv.base_kernel[0], cfg.block_size))
+
+
 # -- loss ----------------------------------------------------------------------
 
 

@@ -471,6 +471,9 @@ class GroupedDynamicConv(nn.Module):
 
     def prepare(self, x: torch.Tensor):
         dyn = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        # in the projection's dtype: under autocast the bf16 the sub-layer's matmuls read anyway, not the fp32
+        # a norm with fp32 weights gives (half the bytes; decoding, all bf16, convolves the same); fp32 without
+        x = x.to(dyn.dtype)
         return _grouped_causal_conv(x, dyn[..., 0, :, :], self.base_kernel[0], self.block_size), dyn[..., 1, :, :]
 
     def finish(self, y: torch.Tensor, dyn: torch.Tensor) -> torch.Tensor:
