@@ -5,10 +5,11 @@
 # this one (benchmarks/train_throughput.py, one rank).
 #   git diff BASE -- workflow > PATCH; bash benchmarks/gpu_train_ab.sh OUT_DIR PATCH
 # Env: ORDER="new base" (the first run also pays the cold compile; the shared cache serves the second);
-# STEPS (train_throughput's, default 20); CE=0: no paper's-recipe row; PROFILE=0: no profile or syncs.
+# STEPS (train_throughput's, default 20); CE=0: no paper's-recipe row; PROFILE=0: no profile or syncs;
+# MID=PATCH2: a third tree after the two, this one with PATCH2 (a part of PATCH) reversed: the rest of PATCH alone.
 set -uo pipefail
 out=$(realpath -m "${1:?usage: gpu_train_ab.sh OUT_DIR PATCH}"); patch_file=$(realpath "${2:?usage: gpu_train_ab.sh OUT_DIR PATCH}")
-mkdir -p "$out"
+mkdir -p "$out"; mid_patch=${MID:+$(realpath "$MID")}
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -25,5 +26,9 @@ for which in ${ORDER:-base new}; do
   elif [ "${PROFILE:-1}" = 0 ]; then run dflash2_kl_new . 200
   else run dflash2_kl_new . 220 --profile "$out/profile_dflash2_kl_new.txt" --syncs "$out/syncs_dflash2_kl_new.txt"; fi
 done
+if [ -n "$mid_patch" ]; then
+  mid=$(mktemp -d); cp -r benchmarks workflow "$mid"/
+  if (cd "$mid" && patch -s -R -p1 < "$mid_patch"); then run dflash2_kl_mid "$mid" 170; else echo "MID does not reverse"; fi
+fi
 [ "${CE:-1}" = 0 ] || run dflash_ce_new . 150 --set arch=dflash loss=ce
 echo "[$(date +%T)] done"
