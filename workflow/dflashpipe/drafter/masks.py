@@ -225,8 +225,8 @@ def build_block_inputs(
     block_ids = torch.full((B, N, bs), int(mask_token_id), dtype=input_ids.dtype, device=dev)
     block_ids[:, :, 0] = input_ids.gather(1, anchors)
     decay = torch.exp(-(k.float() + shift - 1.0) / gamma)
-    if not shift:
-        decay[0] = 0.0
+    if not shift:  # the anchor's own position predicts nothing (a where, not decay[0] = 0.0: that waits for the GPU)
+        decay = torch.where(k > 0, decay, torch.zeros((), device=dev))
     ok = inside & label_in_mask & keep[:, :, None]
     weights = torch.where(ok, decay.expand(B, N, bs), torch.zeros((), device=dev))
     return block_ids.view(B, N * bs), labels, weights.view(B, N * bs)

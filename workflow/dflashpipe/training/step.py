@@ -243,7 +243,7 @@ def train_step(model, target, opt, batch, lr: float, setup: Setup, mark=_no_mark
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     opt.zero_grad(set_to_none=not ddp)
     loss_sum, correct, loss_w, acc_w = forward_loss(model, target, batch, setup, mark)
-    tokens = torch.tensor(float(batch.num_tokens), device=acc_w.device)
+    tokens = torch.full((), float(batch.num_tokens), device=acc_w.device)  # a fill: no copy from the host, no wait
     stats = all_reduce_(torch.stack([loss_sum.detach(), correct, loss_w, acc_w, tokens]).float())  # global sums
     w_global, acc_global = stats[2].clamp(min=1e-6), stats[3].clamp(min=1e-6)
     world_size = torch.distributed.get_world_size()
