@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from conftest import PROMPTS
 from dflashpipe.evaluate.metrics import (
     account_steps,
     acceptance_histogram,
@@ -220,3 +221,37 @@ def test_other_busy_cores_on_fixed_readings_and_a_real_busy_process():
     quiet = _cpu_reading()
     time.sleep(0.2)
     assert other_busy_cores(quiet, _cpu_reading()) >= 0.0
+
+
+def test_a_cut_of_a_set_with_categories_takes_each_category_in_turn(micro_target, tmp_path):
+    """32 of MT-Bench's 80 questions (8 categories in blocks of 10, the shipped file): 4 of each category, kept in
+    file order, where the first 32 rows would hold 3 categories and 2 math questions; a set without categories
+    is read in file order."""
+    import pandas as pd
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflashpipe.evaluate.run import category_order, eval_prompts
+    from dflashpipe.evaluate.settings import EvalSettings
+    from dflashpipe.inputs.data import prepare_prompts
+
+    assert category_order(["a", "a", "a", "b", None, "b"]) == [0, 3, 4, 1, 5, 2]
+    spec = {"path": str(PROMPTS / "mt_bench.jsonl.gz"), "messages_column": "messages"}
+    table = prepare_prompts(spec, "mt_bench", str(tmp_path / "mt.parquet"))
+    assert table["category"].iloc[:32].nunique() == 4
+
+    class Target:  # the micro target's config with a context that holds MT-Bench's questions
+        config = AutoConfig.from_pretrained(micro_target)
+
+    Target.config.max_position_embeddings = 4096
+    tok = AutoTokenizer.from_pretrained(micro_target)
+    kept, skipped = eval_prompts(tmp_path / "mt.parquet", tok, Target, 4, EvalSettings(num_prompts=32), print)
+    assert not skipped and len(kept) == 32
+    cats = pd.Series([p.category for p in kept])
+    assert cats.nunique() == 8 and set(cats.value_counts()) == {4}
+    rows = [int(p.id.split("-")[1]) for p in kept]
+    assert rows == sorted(rows) and all(p.turns == 2 for p in kept)
+
+    spec = {"path": str(PROMPTS / "math_heldout.jsonl.gz"), "messages_column": "messages", "limit": 6}
+    plain = prepare_prompts(spec, "math_heldout", str(tmp_path / "math.parquet"))
+    kept, _ = eval_prompts(tmp_path / "math.parquet", tok, Target, 4, EvalSettings(num_prompts=3), print)
+    assert [p.id for p in kept] == list(plain["id"].iloc[:3]) and all(p.category is None for p in kept)

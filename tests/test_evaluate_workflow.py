@@ -42,13 +42,14 @@ def test_evaluation_outputs(mini_run):
 
 
 def test_a_two_turn_set_with_categories_gets_its_rows_per_turn_and_category(mini_copy):
-    """MT-Bench's shipped file (2 questions, both turns) added as an eval set to the finished mini run: only its
-    prompts and evaluation and the tables run (and the export: the card's caveat); eval_groups.csv has its
-    turns and its category."""
+    """MT-Bench's shipped file (its first 12 questions: 10 writing, 2 roleplay; both turns) added as an eval set
+    to the finished mini run: only its prompts and evaluation and the tables run (and the export: the card's
+    caveat). The run's 2 prompts are one of each category, not the first two rows (both writing);
+    eval_groups.csv has their turns and their categories."""
     work, cfg = mini_copy
     config = yaml.safe_load(cfg.read_text())
     config["datasets"]["mt_bench"] = {"path": str(PROMPTS / "mt_bench.jsonl.gz"), "messages_column": "messages",
-                                      "use": "eval", "limit": 2}
+                                      "use": "eval", "limit": 12}
     write_config(cfg, config)
     res = snakemake(work, "results/tables/eval_groups.csv", "--cores", "2", "--configfile", str(cfg))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -58,12 +59,13 @@ def test_a_two_turn_set_with_categories_gets_its_rows_per_turn_and_category(mini
     r = work / "results"
     samples = pd.read_parquet(r / "eval/mt_bench.samples.parquet")
     assert sorted(zip(samples.loc[samples["method"] == "ar", "id"], samples.loc[samples["method"] == "ar", "turn"])) == [
-        ("mt_bench-81", 1), ("mt_bench-81", 2), ("mt_bench-82", 1), ("mt_bench-82", 2)]
+        ("mt_bench-81", 1), ("mt_bench-81", 2), ("mt_bench-91", 1), ("mt_bench-91", 2)]
     groups = pd.read_csv(r / "tables/eval_groups.csv")
     assert set(groups["dataset"]) == {"mt_bench"} and set(groups["method"]) == METHODS
     dfl = groups[groups["method"] == "dflash"].set_index(["group_kind", "group"])
-    assert sorted(dfl.index) == [("category", "writing"), ("turn", "1"), ("turn", "2")]
-    assert list(dfl.loc[[("turn", "1"), ("turn", "2"), ("category", "writing")], "n_samples"]) == [2, 2, 4]
+    assert sorted(dfl.index) == [("category", "roleplay"), ("category", "writing"), ("turn", "1"), ("turn", "2")]
+    assert list(dfl.loc[[("turn", "1"), ("turn", "2"), ("category", "writing"), ("category", "roleplay")],
+                        "n_samples"]) == [2, 2, 2, 2]
     assert (dfl["tau_pooled"] >= 1).all() and (dfl["speedup_vs_ar"] > 0).all()
     assert set(pd.read_csv(r / "tables/eval.csv")["dataset"]) == {"math_heldout", "mt_bench"}
 

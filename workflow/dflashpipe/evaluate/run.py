@@ -381,7 +381,9 @@ class EvalPrompt:
 def eval_prompts(prompts_parquet, tok, target, block_size: int, s: EvalSettings, log) -> tuple[list[EvalPrompt], Counter]:
     """The first ``s.num_prompts`` usable prompts (:class:`EvalPrompt`), and why the others were skipped.
 
-    A row's user turns are those the expansion answers (:func:`~dflashpipe.inputs.turns.turn_plan`): a
+    In a set whose rows carry a category (MT-Bench's 8, in blocks of 10) the rows are taken in turn from each
+    category (:func:`category_order`), so that a cut such as 32 of MT-Bench's 80 questions covers all 8 and not
+    the first 3; the prompts kept are returned in file order. A row's user turns are those the expansion answers (:func:`~dflashpipe.inputs.turns.turn_plan`): a
     multi-turn row (MT-Bench: two user turns with the target's reply between them) decodes every one in order
     (``evaluate.turns: all``) or its first only (``first``); a prompt is usable when its first turn is."""
     from dflashpipe.inputs.data import CATEGORY, read_prompts, screen_prompt, target_context
@@ -392,9 +394,11 @@ def eval_prompts(prompts_parquet, tok, target, block_size: int, s: EvalSettings,
     context, reserve = target_context(target), s.max_new_tokens + block_size
     categories = df[CATEGORY] if CATEGORY in df.columns else None
     keep, skipped = [], Counter()
-    for i, chat in enumerate(df["prompt"]):
+    order = category_order(list(categories)) if categories is not None else range(len(df))
+    for i in order:
         if s.num_prompts is not None and len(keep) >= int(s.num_prompts):
             break
+        chat = df["prompt"].iloc[i]
         points = turn_plan(chat, "all")[0]
         points = points[:1] if s.turns == "first" else points
         first = next_turns(chat, points, 0)
@@ -411,8 +415,9 @@ def eval_prompts(prompts_parquet, tok, target, block_size: int, s: EvalSettings,
             if context:
                 bound = min(bound, context - reserve)
         category = categories.iloc[i] if categories is not None else None
-        keep.append(EvalPrompt(str(df["id"].iloc[i]), chat, points, first, ids_,
-                               None if category is None or pd.isna(category) else str(category), bound))
+        keep.append((i, EvalPrompt(str(df["id"].iloc[i]), chat, points, first, ids_,
+                                   None if category is None or pd.isna(category) else str(category), bound)))
+    keep = [p for _, p in sorted(keep, key=lambda kp: kp[0])]
     if skipped:
         log(f"skipped prompts: {dict(skipped)} (context {context}, {reserve} tokens reserved after the prompt)")
     if not keep:
@@ -421,6 +426,20 @@ def eval_prompts(prompts_parquet, tok, target, block_size: int, s: EvalSettings,
             f"non-empty and fit the target's context ({context}) with evaluate.max_new_tokens + block size ({reserve})"
         )
     return keep, skipped
+
+
+def category_order(categories: list) -> list[int]:
+    """Row indices taken one from each category in turn (categories in order of first appearance, rows in file
+    order within one; a row without a category is a category of its own kind): the first n of them spread a
+    cut over every category as evenly as the set allows."""
+    groups: dict = {}
+    for i, c in enumerate(categories):
+        groups.setdefault(None if c is None or pd.isna(c) else str(c), []).append(i)
+    queues = list(groups.values())
+    order = []
+    for k in range(max((len(q) for q in queues), default=0)):
+        order += [q[k] for q in queues if k < len(q)]
+    return order
 
 
 #: the KV cache of a multi-turn prompt keeps this many times ``max_new_tokens`` for each earlier reply of the
