@@ -121,3 +121,22 @@ def test_arena_hard_is_an_eval_set_of_untrained_prompts_whose_categories_take_tu
     base = yaml.safe_load((REPO / "config" / "smollm2.yaml").read_text())
     assert base["datasets"]["arena_hard"] == {"path": "resources/prompts/arena_hard.jsonl.gz",
                                               "messages_column": "messages", "use": "eval"}
+
+
+def test_the_chat_levers_overlay_sets_runs_that_differ_from_smollm2_only_in_chats_weight():
+    """config/smollm2_chat_levers.yaml: a run without any lever (config/smollm2.yaml's keys as they are) and one
+    that draws chat twice an epoch, code still three times; merged as the workflow merges them, a valid config."""
+    from dflashpipe.config import run_config
+
+    base = yaml.safe_load((REPO / "config" / "smollm2.yaml").read_text())
+    levers = yaml.safe_load((REPO / "config" / "smollm2_chat_levers.yaml").read_text())
+    assert set(levers) == {"runs"} and set(levers["runs"]) == {"without", "chat_x2"}
+    merged = _merge(_merge(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), base), levers)
+    merged["datasets"] = user_datasets([REPO / "config" / "smollm2.yaml"])
+    merged = validate_config(merged, str(SCHEMA_PATH), "smollm2 + chat_levers")
+    without, chat_x2 = run_config(merged, "without"), run_config(merged, "chat_x2")
+    assert without["train"]["repeat"] == base["train"]["repeat"] == {"code": 3, "code_more": 3}
+    assert chat_x2["train"]["repeat"] == {**base["train"]["repeat"], "chat": 2}
+    assert {k: v for k, v in chat_x2["train"].items() if k != "repeat"} == \
+        {k: v for k, v in without["train"].items() if k != "repeat"}
+    assert chat_x2["drafter"] == without["drafter"] and chat_x2["evaluate"] == without["evaluate"]
