@@ -77,18 +77,20 @@ def write_config(path: Path, cfg: dict) -> Path:
     return path
 
 
-def snakemake_cmd(workdir: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "-d", str(workdir), *args]
+def snakemake_cmd(workdir: Path, *args: str, snakefile: Path | None = None) -> list[str]:
+    """``snakefile``: another checkout's (:func:`copy_checkout`); this checkout's by default."""
+    return [sys.executable, "-m", "snakemake", "-s", str(snakefile or REPO / "Snakefile"), "-d", str(workdir), *args]
 
 
 def snakemake_env(**extra: str) -> dict:
     return dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1", **extra)
 
 
-def snakemake(workdir: Path, *args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def snakemake(workdir: Path, *args: str, timeout: int = 600, env: dict | None = None,
+              snakefile: Path | None = None) -> subprocess.CompletedProcess:
     """Run the real workflow in a subprocess (isolates cwd and global state)."""
-    return subprocess.run(snakemake_cmd(workdir, *args), cwd=workdir, env=env or snakemake_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(snakemake_cmd(workdir, *args, snakefile=snakefile), cwd=workdir, env=env or snakemake_env(),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def sha256(path: Path) -> str:
@@ -138,9 +140,9 @@ def random_target(micro_target, tmp_path_factory) -> Path:
     return out
 
 
-def planned_rules(workdir: Path, *args: str) -> dict[str, int]:
+def planned_rules(workdir: Path, *args: str, snakefile: Path | None = None) -> dict[str, int]:
     """Rules (and job counts) a dry run would execute: {} when nothing is to be done."""
-    res = snakemake(workdir, *args, "-n", "--quiet", "rules")
+    res = snakemake(workdir, *args, "-n", "--quiet", "rules", snakefile=snakefile)
     assert res.returncode == 0, res.stderr[-3000:]
     out = (res.stdout + res.stderr).splitlines()
     if "Job stats:" not in out:
@@ -212,36 +214,48 @@ def mini_copy(mini_run, tmp_path):
 
 
 # appended to a module: a change of what it means (a new module-level name), which the code digests see
-EDIT_MARK = "_EDITED_BY_A_TEST"  # in every edit planned_after_edit makes, so one left behind is found
+EDIT_MARK = "_EDITED_BY_A_TEST"  # in every edit planned_after_edit makes
 CODE_EDIT = f"\n{EDIT_MARK} = 1\n"
+
+CHECKOUT = ("Snakefile", "workflow", "profiles", "envs", "config")
+
+
+def copy_checkout(dst: Path) -> Path:
+    """The workflow's files of this checkout (dates kept) in ``dst``, and a link to its ``resources``: a checkout
+    of its own to edit. Tests edit copies, never this checkout: a test running beside them (``pytest -n``) plans
+    with the code as it is."""
+    import shutil
+
+    dst.mkdir(parents=True)
+    for item in CHECKOUT:
+        src = REPO / item
+        (shutil.copytree(src, dst / item, ignore=shutil.ignore_patterns("__pycache__"))
+         if src.is_dir() else shutil.copy2(src, dst / item))
+    (dst / "resources").symlink_to(REPO / "resources")
+    return dst
 
 
 def edits_left_behind(root: Path) -> list[Path]:
-    """The files under ``root`` that still hold an edit of :func:`planned_after_edit` (a killed test run's)."""
+    """The files under ``root`` that hold an edit of :data:`EDIT_MARK` (one a test left in a checkout)."""
     return sorted(p for p in root.rglob("*.py") if EDIT_MARK in p.read_text(errors="replace"))
 
 
 def pytest_sessionstart(session):
     left = edits_left_behind(REPO / "workflow")
     if left:
-        raise pytest.UsageError(f"{left[0]}: a killed test run left its edit ({EDIT_MARK}) in the checkout; "
-                                f"restore it (git checkout -- {left[0].relative_to(REPO)}) and run again")
+        raise pytest.UsageError(f"{left[0]}: holds a test's edit ({EDIT_MARK}); tests edit copies of the checkout "
+                                f"only: restore it (git checkout -- {left[0].relative_to(REPO)}) and run again")
 
 
 def planned_after_edit(workdir: Path, cfg: Path, module: str, edit: str = CODE_EDIT) -> set[str]:
     """Rules a dry run would execute after appending ``edit`` (a new statement unless told; it must hold
-    :data:`EDIT_MARK`) to a library module, or to a workflow script for ``module="../scripts/x.py"``
-    (restored after). The checkout's own file is edited: a run killed meanwhile leaves the edit, which the
-    next session refuses to start over (:func:`pytest_sessionstart`)."""
+    :data:`EDIT_MARK`) to a library module, or to a workflow script for ``module="../scripts/x.py"``, in a
+    copy of the checkout (:func:`copy_checkout`, beside ``workdir``) whose Snakefile plans the run."""
     assert EDIT_MARK in edit, edit
-    path = REPO / "workflow" / "dflashpipe" / module
-    original, stat = path.read_text(), path.stat()
-    try:
-        path.write_text(original + edit)
-        return set(planned_rules(workdir, "--configfile", str(cfg)))
-    finally:
-        path.write_text(original)
-        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # as it was (Snakemake dates a script by it)
+    checkout = copy_checkout(workdir.parent / f"checkout-{uuid.uuid4().hex[:8]}")
+    path = checkout / "workflow" / "dflashpipe" / module
+    path.write_text(path.read_text() + edit)
+    return set(planned_rules(workdir, "--configfile", str(cfg), snakefile=checkout / "Snakefile"))
 
 
 @pytest.fixture

@@ -133,20 +133,28 @@ def test_a_rank_stopped_because_a_peer_left_is_not_named_as_the_cause(tmp_path):
     assert _culprit([0, 1], {0: 1, 1: 1}, [str(p) for p in logs], {0: 0, 1: 0}) == 1
 
 
-def test_an_edit_a_killed_test_left_in_the_checkout_stops_the_next_session(tmp_path, monkeypatch):
-    """planned_after_edit edits the checkout's own library file and restores it after; a run killed in
-    between leaves the edit, and every later run would test edited code. The next session refuses to
-    start, naming the file."""
+def test_tests_edit_a_copy_of_the_checkout_and_one_left_in_it_stops_the_next_session(tmp_path, monkeypatch):
+    """planned_after_edit edits a library file in a checkout of its own: this checkout's file keeps its bytes and
+    date while the copy's edit is planned (tests running beside it, ``pytest -n``, see the code as it is). An
+    edit found in this checkout all the same (an older test run's) stops the next session, naming the file."""
     import conftest
 
-    lib = tmp_path / "workflow" / "dflashpipe"
+    plots = conftest.REPO / "workflow" / "dflashpipe" / "stages" / "plots.py"
+    before = (plots.read_bytes(), plots.stat().st_mtime_ns)
+    work = tmp_path / "work"
+    work.mkdir()
+    cfg = conftest.write_config(work / "config.yaml", conftest.mini_config())
+    assert {"plots", "train", "tokenize"} <= conftest.planned_after_edit(work, cfg, "stages/plots.py")
+    assert (plots.read_bytes(), plots.stat().st_mtime_ns) == before
+    assert [p.parent.name for p in conftest.edits_left_behind(tmp_path)] == ["stages"]  # the copy's, beside work
+
+    lib = tmp_path / "repo" / "workflow" / "dflashpipe"
     lib.mkdir(parents=True)
     (lib / "clean.py").write_text("x = 1\n")
-    assert conftest.edits_left_behind(tmp_path / "workflow") == []
-    monkeypatch.setattr(conftest, "REPO", tmp_path)
+    monkeypatch.setattr(conftest, "REPO", tmp_path / "repo")
     conftest.pytest_sessionstart(None)  # clean: starts
     (lib / "edited.py").write_text("x = 1\n" + conftest.CODE_EDIT)
-    assert conftest.edits_left_behind(tmp_path / "workflow") == [lib / "edited.py"]
-    with pytest.raises(pytest.UsageError, match=r"edited\.py: a killed test run left its edit .*git checkout -- "
+    assert conftest.edits_left_behind(tmp_path / "repo" / "workflow") == [lib / "edited.py"]
+    with pytest.raises(pytest.UsageError, match=r"edited\.py: holds a test's edit .*git checkout -- "
                                                  r"workflow/dflashpipe/edited\.py"):
         conftest.pytest_sessionstart(None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import CODE_EDIT, REPO, planned_after_edit, snakemake
+from conftest import CODE_EDIT, REPO, copy_checkout, planned_after_edit, snakemake
 
 NOT_RERUN = {"warm_slot", "train", "tokenize", "expand_shard", "tiny_target", "prompts"}
 READ_THE_DRAFTER = {"export", "evaluate", "tables", "plots", "all"}
@@ -23,13 +23,10 @@ def test_an_export_code_edit_reruns_the_export_only(mini_copy):
     final = (r / "train/final.safetensors").read_bytes()
     metrics = (r / "train/metrics.csv").read_bytes()
     rank_log = (r / "logs/train/rank0.log").read_bytes()
-    export_py = REPO / "workflow/dflashpipe/export/write.py"
-    original = export_py.read_text()
-    try:
-        export_py.write_text(original + CODE_EDIT)
-        res = snakemake(work, "export", "--cores", "2", "--configfile", str(cfg))
-    finally:
-        export_py.write_text(original)
+    checkout = copy_checkout(work.parent / "edited")  # the edit in a checkout of its own, which runs the export
+    export_py = checkout / "workflow/dflashpipe/export/write.py"
+    export_py.write_text(export_py.read_text() + CODE_EDIT)
+    res = snakemake(work, "export", "--cores", "2", "--configfile", str(cfg), snakefile=checkout / "Snakefile")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = res.stdout + res.stderr
     assert "rule export:" in out and "rule train:" not in out and "rule warm_slot:" not in out

@@ -1,7 +1,6 @@
 """Real Snakemake runs (subprocess) of the pipeline on a mini config in a temp dir."""
 
 import concurrent.futures
-import itertools
 import json
 import shutil
 import subprocess
@@ -12,7 +11,7 @@ import datasets
 import pandas as pd
 import pytest
 
-from conftest import CODE_EDIT, REPO, mini_config, planned_rules, snakemake, snakemake_env, write_config
+from conftest import CODE_EDIT, REPO, copy_checkout, mini_config, planned_rules, snakemake, snakemake_env, write_config
 
 
 def test_stages_produce_outputs(mini_run):
@@ -47,30 +46,9 @@ def test_rerun_is_a_no_op(mini_run):
     assert planned_rules(work, "--configfile", str(cfg)) == {}
 
 
-CHECKOUT = ("Snakefile", "workflow", "profiles", "envs", "config")
-
-
-def copy_checkout(dst: Path) -> Path:
-    """The workflow's files of this checkout (dates kept) in ``dst``: a checkout of its own to edit."""
-    dst.mkdir(parents=True)
-    for item in CHECKOUT:
-        src = REPO / item
-        (shutil.copytree(src, dst / item, ignore=shutil.ignore_patterns("__pycache__"))
-         if src.is_dir() else shutil.copy2(src, dst / item))
-    return dst
-
-
 def planned_in(checkout: Path, workdir: Path, cfg: Path) -> set[str]:
-    """Rules a dry run of ``checkout``'s Snakefile in ``workdir`` would execute (``planned_rules``' reading)."""
-    res = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(checkout / "Snakefile"), "-d", str(workdir),
-                          "-n", "--quiet", "rules", "--configfile", str(cfg)],
-                         cwd=workdir, env=snakemake_env(), capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = (res.stdout + res.stderr).splitlines()
-    if "Job stats:" not in out:
-        return set()
-    rows = out[out.index("Job stats:") + 3:]
-    return set(itertools.takewhile(lambda name: name != "total", (line.split()[0] for line in rows)))
+    """Rules a dry run of ``checkout``'s Snakefile in ``workdir`` would execute."""
+    return set(planned_rules(workdir, "--configfile", str(cfg), snakefile=checkout / "Snakefile"))
 
 
 def test_code_edit_reruns_exactly_its_stages(mini_run, tmp_path):

@@ -34,7 +34,7 @@ EVAL_TABLE = "results/tables/eval.csv"
 LOAD_TABLE = "results/tables/concurrency.csv"
 #: the embedded default's training prompts, shipped in this checkout; their licence is stated in
 #: resources/README.md (reasoning-gym: Apache-2.0)
-SHIPPED_PROMPTS = (Path(__file__).resolve().parents[3] / "resources" / "prompts", "apache-2.0")
+SHIPPED_PROMPTS = ((Path(__file__).resolve().parents[3] / "resources" / "prompts").resolve(), "apache-2.0")
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
