@@ -143,8 +143,10 @@ def tau_speedup(eval_csv: str, out_png: str, method_labels: dict[str, str]) -> N
             ax_sp.errorbar(xs, g["speedup_vs_ar"], yerr=[(g["speedup_vs_ar"] - low).clip(lower=0),
                                                          (high - g["speedup_vs_ar"]).clip(lower=0)],
                            fmt="none", ecolor="k", elinewidth=0.8, capsize=2)
+            _label_above(ax_sp, xs, g["speedup_vs_ar"], high, [_fmt(v) for v in g["speedup_vs_ar"]])
+        else:
+            ax_sp.bar_label(b2, labels=[_fmt(v) for v in g["speedup_vs_ar"]], fontsize=7)
         ax_tau.bar_label(b1, labels=[_fmt(v) for v in g["tau_mean"]], fontsize=7)
-        ax_sp.bar_label(b2, labels=[_fmt(v) for v in g["speedup_vs_ar"]], fontsize=7)
         pooled = ax_tau.plot(xs, g["tau_pooled"], "k.", markersize=6)[0]
     marks = [(pooled, "tau_pooled: all prompts' forwards pooled")] if methods else []
     sims = df.loc[df["method"] == "dflash", "simulated_tau"].dropna().unique() if "simulated_tau" in df else []
@@ -158,6 +160,7 @@ def tau_speedup(eval_csv: str, out_png: str, method_labels: dict[str, str]) -> N
         ax.grid(alpha=0.3, axis="y")
     ax_tau.set(ylabel="tau_mean (tokens per target forward)", title="Acceptance length (bars: tau_mean)")
     ax_sp.axhline(1.0, color="k", lw=0.8)
+    ax_sp.margins(y=0.1)  # room for the labels over the whiskers
     ax_sp.set(ylabel="speedup_vs_ar: decode speed-up over AR (x)",
               title="Speed-up (decode only; whiskers: 95% interval)")
     handles, labels = ax_tau.get_legend_handles_labels()
@@ -185,19 +188,29 @@ def groups(groups_csv: str, out_png: str) -> None:
         g = df[df["dataset"] == d].reset_index(drop=True)
         names = [f"turn {v}" if k == "turn" else str(v) for k, v in zip(g["group_kind"], g["group"])]
         colors = ["tab:blue" if k == "turn" else "tab:orange" for k in g["group_kind"]]
-        bars = ax.bar(range(len(g)), g["speedup_vs_ar"], color=colors)
+        ax.bar(range(len(g)), g["speedup_vs_ar"], color=colors)
         low, high = g["speedup_vs_ar_ci_low"], g["speedup_vs_ar_ci_high"]
         ax.errorbar(range(len(g)), g["speedup_vs_ar"], yerr=[(g["speedup_vs_ar"] - low).clip(lower=0).fillna(0),
                                                              (high - g["speedup_vs_ar"]).clip(lower=0).fillna(0)],
                     fmt="none", ecolor="k", elinewidth=0.8, capsize=2)
-        ax.bar_label(bars, labels=[f"{_fmt(sp)}x\ntau {_fmt(t)}" for sp, t in zip(g["speedup_vs_ar"], g["tau_pooled"])], padding=3,
-                     fontsize=7)
+        _label_above(ax, range(len(g)), g["speedup_vs_ar"], high,
+                     [f"{_fmt(sp)}x\ntau {_fmt(t)}" for sp, t in zip(g["speedup_vs_ar"], g["tau_pooled"])])
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks(range(len(g)), names, rotation=20, fontsize=8)
         ax.set(ylabel="speedup_vs_ar (x)", title=f"{d}: DFlash per turn (blue) and per category (orange, turns pooled)")
         ax.margins(y=0.25)
         ax.grid(alpha=0.3, axis="y")
     save_png(fig, out_png)
+
+
+def _label_above(ax, xs, heights, tops, labels) -> None:
+    """Each bar's label over its whisker (``tops``: the interval's upper ends; the bar's height where none), so
+    that no label sits on a whisker."""
+    for x, h, top, label in zip(xs, heights, tops, labels):
+        if pd.isna(h):
+            continue
+        ax.annotate(label, (x, h if pd.isna(top) else max(h, top)), xytext=(0, 2), textcoords="offset points",
+                    ha="center", va="bottom", fontsize=7)
 
 
 def _fmt(v) -> str:
