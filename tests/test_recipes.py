@@ -453,6 +453,51 @@ def test_dspark_training_step_trains_backbone_markov_and_confidence_heads():
         resolve_setup(dpace, "cpu", V - 1, [0])
 
 
+@pytest.mark.parametrize("arch,loss,shift", [("dspark", "dspark", 1), ("dflash2", "kl", 0), ("dflash", "ce", 0)])
+def test_the_loss_rows_found_on_the_host_give_the_same_step(monkeypatch, arch, loss, shift):
+    """forward_loss hands block_loss the rows it scores and the teacher plan of its chunks, found from the
+    batch's host tensors (``Batch.host``, copies here: on a GPU the GPU is not waited for). The step is the one
+    block_loss makes when it finds them itself from the weights: the same loss and gradients, bit for bit (a
+    DSpark block predicts one token further; chunks of 7 rows)."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflashpipe.drafter.masks import default_gamma
+    from dflashpipe.training import step
+    from dflashpipe.training.train import TrainConfig
+
+    tc = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(tc).eval().requires_grad_(False)
+    extra = {"markov_rank": 8} if arch == "dspark" else {}
+    cfg = DrafterConfig.from_target_config(tc, 2, 4, V - 1, target_layer_ids=[0, 1, 2], arch=arch, **extra)
+    ids, lm, anchors, keep, _ = make_batch(cfg)
+    host = tuple(t.clone() for t in (ids, lm, anchors, keep))
+    train = TrainConfig(block_size=4, num_anchors=anchors.shape[1], loss_chunk_size=7, grad_clip=1.0, arch=arch,
+                        position_weights="decay")
+    setup = step.Setup(cfg=train, device=torch.device("cpu"), attention="sdpa", compile="none", autocast_dtype=None,
+                       target_dtype=torch.float32, label_shift=shift, mask_token_id=V - 1,
+                       layer_ids=cfg.target_layer_ids, gamma=default_gamma(4, shift), rank_batch=2, world_size=1,
+                       objective=Objective(loss, accept=arch == "dspark"),
+                       selector_weight=1.0 if arch == "dflash2" else 0.0)
+
+    def run(batch):
+        torch.manual_seed(1)
+        drafter = DFlashDrafter(cfg)
+        loss_sum, correct, loss_w, w = step.forward_loss(drafter, target, batch, setup)
+        loss_sum.backward()
+        return [loss_sum, correct, loss_w, w] + [p.grad for p in drafter.parameters()]
+
+    planned = run(SimpleNamespace(input_ids=ids, loss_mask=lm, anchors=anchors, keep=keep, index=None, host=host))
+    monkeypatch.setattr(step, "_row_plan", lambda *args: None)  # block_loss finds them itself
+    found = run(SimpleNamespace(input_ids=ids, loss_mask=lm, anchors=anchors, keep=keep, index=None))
+    assert planned[2] > 0 and len(planned) == len(found)
+    for a, b in zip(planned, found):
+        assert torch.equal(a, b)
+
+
 def test_dspark_simulated_tau_counts_every_slot():
     """DSpark's held-out proposals are all bs slots (slot k against the token at a + k + 1)."""
     from types import SimpleNamespace

@@ -195,7 +195,7 @@ class _How:
 
 @dataclass(frozen=True)
 class _TeacherPlan:
-    """Which teacher rows each chunk needs, found for all chunks at once (one host sync): the chunk from
+    """Which teacher rows each chunk needs, found for all chunks at once (:class:`RowPlan`): the chunk from
     row s of chunk i runs the LM head on ``teacher_h[distinct[bounds[i]:bounds[i + 1]]]``, and its row r
     takes that result's row ``local[r]``."""
 
@@ -214,6 +214,43 @@ class _TeacherPlan:
         starts = d[::chunk_size]
         return _TeacherPlan(distinct, d - starts.repeat_interleave(chunk_size)[: d.numel()],
                             starts.tolist() + [distinct.numel()])
+
+
+    def to(self, device: torch.device) -> "_TeacherPlan":
+        return _TeacherPlan(self.distinct.to(device, non_blocking=True), self.local.to(device, non_blocking=True),
+                            self.bounds)
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """The rows :func:`block_loss` scores (weight > 0 on the flat [B*Q] grid), in the order it scores them
+    (by their teacher row, with a teacher), and the :class:`_TeacherPlan` of its chunks. Finding them takes
+    data-dependent shapes (a ``nonzero``, a ``tolist``): made from the batch's host tensors
+    (:meth:`of`, then :meth:`to`), the GPU is never waited for."""
+
+    idx: torch.Tensor
+    teacher_plan: _TeacherPlan | None = None
+
+    @staticmethod
+    def of(weights: torch.Tensor, chunk_size: int, teacher_rows: torch.Tensor | None = None,
+           teacher_len: int | None = None, needs_teacher: bool = False) -> "RowPlan":
+        """``weights`` [B, Q]; with a teacher, ``teacher_rows`` [B, Q] (or None: row i's teacher is row i)
+        index positions of a [B, ``teacher_len``] teacher grid (see :func:`block_loss`)."""
+        w = weights.reshape(-1)
+        idx = (w > 0).nonzero(as_tuple=True)[0]
+        if not needs_teacher or idx.numel() == 0:
+            return RowPlan(idx)
+        teacher_idx = torch.arange(w.shape[0], device=w.device)
+        if teacher_rows is not None:  # rows sorted by their teacher row: a chunk's rows share theirs
+            offsets = torch.arange(weights.shape[0], device=w.device)[:, None] * int(teacher_len)
+            teacher_idx = (teacher_rows + offsets).reshape(-1)
+            idx = idx[torch.argsort(teacher_idx[idx], stable=True)]
+        return RowPlan(idx, _TeacherPlan.of(teacher_idx[idx], int(chunk_size)))
+
+    def to(self, device: torch.device) -> "RowPlan":
+        """On ``device``, copied without waiting (from host tensors the copy does not wait for the GPU)."""
+        return RowPlan(self.idx.to(device, non_blocking=True),
+                       self.teacher_plan.to(device) if self.teacher_plan is not None else None)
 
 
 def _teacher_logits(rows: _Rows, i: int, s: int, n: int, pad: int, weight: torch.Tensor) -> torch.Tensor | None:
@@ -352,6 +389,7 @@ def block_loss(
     collect: dict | None = None,
     markov: tuple[torch.Tensor, torch.Tensor] | None = None,
     teacher_rows: torch.Tensor | None = None,
+    row_plan: RowPlan | None = None,
 ):
     """Weighted loss and weighted top-1 accuracy of the drafter's predictions.
 
@@ -364,9 +402,9 @@ def block_loss(
     the LM head runs once per distinct row of a chunk.
     Returns (loss, acc), both 0-dim float32 tensors; loss carries the gradient.
     Rows with weight 0 are skipped; if every weight is 0 both are 0 (and the
-    loss stays connected to ``hidden`` so backward still works). Skipping uses a
-    data-dependent ``nonzero`` (one host sync): call this outside any
-    ``torch.compile``d region. Logits and losses are computed in fp32.
+    loss stays connected to ``hidden`` so backward still works). Finding them (:class:`RowPlan`) takes
+    data-dependent shapes: call this outside any ``torch.compile``d region; ``row_plan``, the same plan made
+    from the batch's host tensors beforehand, spares the GPU the host's waits. Logits and losses are computed in fp32.
 
     ``reduction="sum"`` returns the weighted SUMS (sum w*loss, sum w*correct,
     sum w') instead, w' being the loss's weights; data-parallel training divides
@@ -391,23 +429,18 @@ def block_loss(
     h = hidden.reshape(-1, H)
     y = labels.reshape(-1)
     w = weights.reshape(-1).float()
-    idx = (w > 0).nonzero(as_tuple=True)[0]
+    if row_plan is None:
+        row_plan = RowPlan.of(weights, int(chunk_size), teacher_rows,
+                              teacher_hidden.shape[1] if teacher_hidden is not None else None, objective.needs_teacher)
+    idx = row_plan.idx
     total = w.sum()
     if idx.numel() == 0:
         zero = (hidden.sum() * 0.0).float()
         if objective.accept:
             collect["accept"] = w.new_zeros(labels.shape)
         return (zero, zero.detach(), zero.detach()) if reduction == "sum" else (zero, zero.detach())
-    teacher = plan = None
-    if objective.needs_teacher:
-        teacher = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
-        teacher_idx = torch.arange(y.shape[0], device=y.device)
-        if teacher_rows is not None:  # rows sorted by their teacher row: a chunk's rows share theirs
-            offsets = torch.arange(labels.shape[0], device=y.device)[:, None] * teacher_hidden.shape[1]
-            teacher_idx = (teacher_rows + offsets).reshape(-1)
-            idx = idx[torch.argsort(teacher_idx[idx], stable=True)]
-        plan = _TeacherPlan.of(teacher_idx[idx], int(chunk_size))
-    rows = _Rows(idx, y[idx], w[idx], teacher, plan)
+    teacher = teacher_hidden.reshape(-1, teacher_hidden.shape[-1]) if objective.needs_teacher else None
+    rows = _Rows(idx, y[idx], w[idx], teacher, row_plan.teacher_plan)
     how = _How(int(chunk_size), ce, objective, (lambda row_loss: reweight(row_loss, idx)) if reweight else None,
                collect)
     e, w2 = (markov[0].reshape(-1, markov[0].shape[-1]), markov[1]) if markov is not None else (None, None)

@@ -164,6 +164,9 @@ class Batch:
     keep: torch.Tensor  # [B, N] bool
     num_tokens: int  # real (non-pad) tokens
     index: tuple[int, ...] | None = None  # the rows' dataset indices (None: not known, e.g. padded rows)
+    # input_ids, loss_mask, anchors, keep as built, on the host (the same tensors on a CPU): what the loss's
+    # row plan is found from without waiting for the GPU (dflashpipe.drafter.loss.RowPlan)
+    host: tuple[torch.Tensor, ...] | None = None
 
 
 def anchor_mask(loss_mask: torch.Tensor, reach: int) -> torch.Tensor:
@@ -213,5 +216,5 @@ def make_batch(rows: dict, seq_len: int, seeds: list[int], pad_id: int, cfg, dev
         keep.append(k)
     num_tokens = int(sum(min(len(x), seq_len) for x in rows["input_ids"]))
     index = tuple(int(i) for i in index) if index is not None and B == n else None
-    return Batch(ids.to(device), lm.to(device), torch.cat(anchors).to(device), torch.cat(keep).to(device), num_tokens,
-                 index)
+    host = (ids, lm, torch.cat(anchors), torch.cat(keep))
+    return Batch(*(t.to(device) for t in host), num_tokens, index, host)

@@ -25,8 +25,8 @@ from dflashpipe.jobs.errors import UserError
 from dflashpipe.training.data import PRIME_SALT, make_batch, sample_seed
 from dflashpipe.training.distributed import all_reduce_
 from dflashpipe.drafter.features import TargetCache, compiled_target_layer, context_features
-from dflashpipe.drafter.loss import (DSPARK_CONFIDENCE, EAGER_CE, ChunkCE, Objective, block_loss, compiled_chunk_ce, confidence_loss,
-                   selector_loss)
+from dflashpipe.drafter.loss import (DSPARK_CONFIDENCE, EAGER_CE, ChunkCE, Objective, RowPlan, block_loss, compiled_chunk_ce,
+                                     confidence_loss, selector_loss)
 from dflashpipe.drafter.masks import attention_masks, block_position_ids, build_block_inputs, default_gamma, dpace_weights
 from dflashpipe.drafter.model import apply_compile_mode, resolve_layer_types  # noqa: F401 - apply_compile_mode: the step's too
 
@@ -140,6 +140,20 @@ def _rows_before_labels(anchors: torch.Tensor, S: int, bs: int, shift: int = 0) 
     return pos.clamp(0, S - 1).reshape(B, N * bs)
 
 
+def _row_plan(batch, setup: Setup, S: int, needs_teacher: bool) -> RowPlan:
+    """The loss's rows and teacher plan (:class:`~dflashpipe.drafter.loss.RowPlan`) from the batch's host
+    tensors, on the batch's device: the weights and teacher rows :func:`forward_loss` builds, found where no
+    GPU work is waited for."""
+    ids, loss_mask, anchors, keep = getattr(batch, "host", None) or (batch.input_ids, batch.loss_mask, batch.anchors,
+                                                                      batch.keep)
+    bs = setup.cfg.block_size
+    weights = build_block_inputs(ids, loss_mask, anchors, keep, bs, setup.mask_token_id, setup.gamma,
+                                 setup.label_shift)[2]
+    rows = _rows_before_labels(anchors, S, bs, setup.label_shift)
+    plan = RowPlan.of(weights, setup.cfg.loss_chunk_size, rows, S, needs_teacher)
+    return plan.to(batch.input_ids.device)
+
+
 def _dpace_reweight(weights: torch.Tensor, bs: int):
     """``reweight`` for :func:`block_loss`: D-PACE weights of the rows it scores, from their losses."""
     valid = (weights > 0).view(-1, bs)
@@ -188,6 +202,7 @@ def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
             batch.input_ids, batch.loss_mask, batch.anchors, batch.keep, bs, setup.mask_token_id, setup.gamma,
             setup.label_shift
         )
+        row_plan = _row_plan(batch, setup, S, obj.needs_teacher)
         previous = batch.input_ids.gather(1, rows)  # the token before each label (position 1: the anchor)
         block_embeds = target.get_input_embeddings()(block_ids)
         position_ids = block_position_ids(batch.anchors, S, bs)
@@ -208,7 +223,7 @@ def forward_loss(model, target, batch, setup: Setup, mark=_no_mark):
     loss_sum, correct, loss_weight = block_loss(hidden, lm_head, labels, weights, setup.cfg.loss_chunk_size,
                                                 reduction="sum", ce=setup.chunk_ce, objective=obj,
                                                 teacher_hidden=teacher, teacher_rows=rows, reweight=reweight,
-                                                collect=found,
+                                                collect=found, row_plan=row_plan,
                                                 markov=(previous_embeds, markov.markov_w2.weight) if markov else None)
     if markov is not None:  # the confidence head learns each row's acceptance
         loss_sum = loss_sum + DSPARK_CONFIDENCE * confidence_loss(drafter.confidence_head, hidden, previous_embeds,
