@@ -70,12 +70,18 @@ def park_and_kill(work: Path, cfg: Path, rule: str, target: str, parks_on: str, 
     return run_parked(work, cmd, faults, sig, marker, rule, while_parked)
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT back to its default in the child: a pytest-xdist worker ignores it, an ignored signal stays
+    ignored across exec, and Python then installs no KeyboardInterrupt for it (Snakemake would never stop)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_parked(work: Path, cmd: list[str], faults: list[dict], sig: signal.Signals, marker: Path, what: str,
                while_parked=None) -> str:
     marker.unlink(missing_ok=True)
     env = snakemake_env(DFLASH_FAULTS=json.dumps(faults), DFLASH_FAULT_MARKER=str(marker))
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_ctrl_c_as_in_a_terminal)
     try:
         deadline = time.monotonic() + 300
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
