@@ -3,6 +3,8 @@
 # conventions first (snakemake --lint, snakefmt --check, the default graph plans), then pytest
 # (the SLURM tests included: their cluster software is installed here, as root).
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m slow` for the end-to-end runs.
+# pytest runs TEST_WORKERS workers (pytest-xdist; default 2, this machine's cores; 0: in this process),
+# each test file whole in one worker (its module fixtures, e.g. the SLURM cluster, start once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -30,4 +32,4 @@ snakefmt --check . # exits 1 when a file would be reformatted, 123 on a parse er
 echo "== snakemake -n (default config)"
 plan=$(snakemake -n --quiet all 2>&1) || { echo "$plan"; exit 1; }
 
-exec python -m pytest -q -rs -p no:cacheprovider "$@"
+exec python -m pytest -q -rs -p no:cacheprovider -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
