@@ -215,7 +215,6 @@ class _TeacherPlan:
         return _TeacherPlan(distinct, d - starts.repeat_interleave(chunk_size)[: d.numel()],
                             starts.tolist() + [distinct.numel()])
 
-
     def to(self, device: torch.device) -> "_TeacherPlan":
         return _TeacherPlan(self.distinct.to(device, non_blocking=True), self.local.to(device, non_blocking=True),
                             self.bounds)
