@@ -9,6 +9,7 @@ rendezvous, DDP + ZeRO, real subprocesses (and a real SIGKILL).
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import signal
@@ -271,6 +272,42 @@ def test_context_features_fast_path_matches_hidden_states(micro_target):
     torch.testing.assert_close(
         context_features(target, ids, am, [0, 1])[1, :17], context_features(target, ids, None, [0, 1])[1, :17]
     )
+
+
+def test_context_features_build_the_causal_mask_once_per_shape(micro_target, monkeypatch):
+    """Training passes no attention mask: transformers' mask builder (whose packed-sequence check waits for
+    the GPU) runs once per batch shape, and the features are those of a fresh build; a padding mask is
+    built every call."""
+    from transformers import masking_utils
+
+    from dflashpipe.drafter import features
+    from dflashpipe.inputs.target import load_target
+
+    target, _ = load_target(str(micro_target))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, target.config.vocab_size, (2, 24), generator=g)
+    fresh = context_features(target, ids, None, [0, 1])  # an empty cache: built as transformers builds it
+    assert features._SHAPE_MASKS[target.model]  # this shape's masks (none needed: causal attention) kept
+    builds = []
+    real = masking_utils.create_causal_mask
+
+    @functools.wraps(real)  # its signature: the mask's caller passes the arguments it names
+    def counted(*a, **k):
+        builds.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(masking_utils, "create_causal_mask", counted)
+    for _ in range(3):
+        assert torch.equal(context_features(target, ids, None, [0, 1]), fresh)
+    assert builds == []
+    context_features(target, ids[:, :16], None, [0, 1])  # another shape: built once, then kept
+    context_features(target, ids[:, :16], None, [0, 1])
+    assert builds == [1]
+    am = torch.ones_like(ids)
+    am[1, 17:] = 0
+    context_features(target, ids, am, [0, 1])
+    context_features(target, ids, am, [0, 1])
+    assert builds == [1, 1, 1]
 
 
 # -- 5. data order ------------------------------------------------------------------

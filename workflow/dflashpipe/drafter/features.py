@@ -25,6 +25,7 @@ features either way (and the cheaper is_causal attention path is used).
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 
@@ -78,15 +79,34 @@ def layer_types_of(inner) -> list[str]:
     return list(getattr(inner.config, "layer_types", None) or ["full_attention"] * len(inner.layers))
 
 
+#: The masks of unpadded batches, per model and shape (see :func:`_layer_masks`).
+_SHAPE_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _layer_masks(inner, embeds, attention_mask, position_ids):
-    """{layer_type: mask} as the HF model builds it, or None if a layer type is unknown."""
+    """{layer_type: mask} as the HF model builds it, or None if a layer type is unknown.
+
+    Without an attention mask (and ``position_ids`` an ``arange`` of S: :func:`_fast_features`'s) the masks
+    depend on the batch's shape alone: transformers' builder looks for packed sequences in ``position_ids``,
+    a check that waits for the GPU, every training step. Where it finds that no layer needs a mask tensor
+    (causal attention alone, the usual case) that answer is kept per shape, holding no memory."""
     from transformers import masking_utils
 
     types = layer_types_of(inner)
     if any(t not in _MASK_BUILDERS for t in types):
         return None, types
+    key = None
+    if attention_mask is None:
+        key = (tuple(types), getattr(inner.config, "_attn_implementation", None), *embeds.shape[:2], embeds.dtype,
+               embeds.device)
+        held = _SHAPE_MASKS.setdefault(inner, {})
+        if key in held:
+            return held[key], types
     build = {t: getattr(masking_utils, _MASK_BUILDERS[t]) for t in set(types)}
-    return {t: _call_mask_fn(fn, inner.config, embeds, attention_mask, position_ids) for t, fn in build.items()}, types
+    masks = {t: _call_mask_fn(fn, inner.config, embeds, attention_mask, position_ids) for t, fn in build.items()}
+    if key is not None and all(m is None for m in masks.values()):
+        _SHAPE_MASKS[inner][key] = masks
+    return masks, types
 
 
 @torch.no_grad()
