@@ -77,6 +77,37 @@ def test_captured_target_and_drafter_steps_decode_like_the_eager_loop():
         assert len(set(accepted)) > 1  # drafts were accepted and rejected: rollback exercised
 
 
+def test_a_draft_vocabulary_decodes_like_the_eager_loop_in_captured_steps():
+    """evaluate.draft_vocab under CUDA graphs (and compiled): the captured draft reads the head's rows of the
+    draft vocabulary as the eager draft does, so decoding gives AR's tokens and the eager loop's acceptances,
+    and every drafted token is one of the vocabulary's."""
+    from dflashpipe.decode.speculative import ARDecoder, DFlashDecoder, TargetRunner, drafter_runner, target_runner
+
+    target, drafter, dcfg = _models()
+    ends = [7]
+    ids = torch.arange(3, target.config.vocab_size, 2)  # every other token: many drafts leave the vocabulary
+    drafter.use_draft_vocab(ids, target.get_output_embeddings().weight)
+    allowed = set(ids.tolist())
+    for step in ("static", "compiled"):
+        verify = target_runner(target, step, dcfg.target_layer_ids, 256, graph_sizes=(BS,))
+        dflash = DFlashDecoder(target, drafter, dcfg, ends, runner=verify, draft_runner=drafter_runner(drafter, verify, step, 256))
+        drafted = []
+
+        def recorded(*args, propose=dflash._propose):
+            draft = propose(*args)
+            drafted.extend(draft.tolist())
+            return draft
+
+        dflash._propose = recorded
+        for prompt in _prompts(target.config.vocab_size):
+            a_ref = ARDecoder(target, ends, runner=TargetRunner(target)).generate(prompt, 30)
+            d_ref = DFlashDecoder(target, drafter, dcfg, ends).generate(prompt, 30)
+            d = dflash.generate(prompt, 30)
+            assert d.tokens == d_ref.tokens == a_ref.tokens, step
+            assert d.accepted == d_ref.accepted, step
+        assert drafted and set(drafted) <= allowed, step
+
+
 def test_flex_steps_read_only_their_live_key_blocks_and_decode_like_the_eager_loop():
     """The compiled steps' flex attention (float32: flex has no float64): the target's AR and verify steps and
     the drafter's draft give the eager loops' tokens over contexts of one and two key blocks (2 query heads per
