@@ -290,16 +290,16 @@ def test_any_number_of_shards_trains_the_same_drafter(mini_run, mini_copy, shard
     Asked for as the drafter alone, the run starts all its ranks in one job; 4 ranks on 1 core
     run (slowly): they never wait for each other. (A new shard count reruns the warm chain, other
     shapes per rank, and so the train job, which would write the finished run's outputs again: the
-    shard count is not part of the run identity. Deleted here, the run trains at K.)"""
+    shard count is not part of the run identity. Deleted here, the run trains at K, on K GPU slots: one
+    warm job a slot.)"""
     ref, _ = mini_run
     work, _ = mini_copy
     forget_finished_runs(work)
     c = mini_config()
     c["train"]["shards"] = shards
-    c["gpu"]["slots"] = max(2, shards)
+    c["gpu"]["slots"] = shards
     cfg = write_config(work / f"k{shards}.yaml", c)
-    assert planned_rules(work, "export", "--configfile", str(cfg)) == {"warm_slot": 2, "train": 1, "export": 1} | (
-        {"warm_slot": 4} if shards == 4 else {})
+    assert planned_rules(work, "export", "--configfile", str(cfg)) == {"warm_slot": shards, "train": 1, "export": 1}
     run_ok(work, cfg, "export", cores=cores)
     s, r = summary(work), summary(ref)
     assert (s["world_size"], s["rank_batch"], s["resumed_from_step"]) == (shards, 4 // shards, None)
