@@ -25,7 +25,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from conftest import (REPO, mini_config, planned_after_edit, planned_rules, sha256, snakemake, snakemake_cmd,
+from conftest import (copy_checkout, mini_config, planned_after_edit, planned_rules, sha256, snakemake, snakemake_cmd,
                       snakemake_env, write_config)
 
 
@@ -50,10 +50,12 @@ def rank_log(work: Path, k: int = 0) -> str:
     return (work / f"results/logs/train/rank{k}.log").read_text()
 
 
-def run(work: Path, cfg: Path, *targets: str, forcerun: str | None = None, cores: int = 2, env=None):
-    """``snakemake TARGETS --cores N [--forcerun RULE] --configfile CFG`` (targets first: the options take lists)."""
+def run(work: Path, cfg: Path, *targets: str, forcerun: str | None = None, cores: int = 2, env=None,
+        snakefile: Path | None = None):
+    """``snakemake TARGETS --cores N [--forcerun RULE] --configfile CFG`` (targets first: the options take lists);
+    ``snakefile``: an edited copy of the checkout's (:func:`~conftest.copy_checkout`)."""
     args = [*targets, "--cores", str(cores), *(["--forcerun", forcerun] if forcerun else []), "--configfile", str(cfg)]
-    return snakemake(work, *args, env=env)
+    return snakemake(work, *args, env=env, snakefile=snakefile)
 
 
 def run_ok(work: Path, cfg: Path, *targets: str, **kw):
@@ -100,13 +102,10 @@ def processes_mentioning(text: str) -> list[int]:
 def test_an_edit_of_the_training_code_retrains_from_step_one(mini_run, mini_copy):
     ref, _ = mini_run
     work, cfg = mini_copy
-    data_py = REPO / "workflow/dflashpipe/training/data.py"
-    original = data_py.read_text()
-    try:
-        data_py.write_text(original + "\nTRAIN_SALT = 7  # an edit: other anchors\n")
-        run_ok(work, cfg, "export")
-    finally:
-        data_py.write_text(original)
+    checkout = copy_checkout(work.parent / "edited")  # the edit in a checkout of its own: tests beside it plan
+    data_py = checkout / "workflow/dflashpipe/training/data.py"  # with the code as it is
+    data_py.write_text(data_py.read_text() + "\nTRAIN_SALT = 7  # an edit: other anchors\n")
+    run_ok(work, cfg, "export", snakefile=checkout / "Snakefile")
     s = summary(work)
     assert s["resumed_from_step"] is None and "resumed" not in rank_log(work)
     assert list(metrics(work)["step"]) == [1, 2, 3, 4, 5, 6]
@@ -195,16 +194,14 @@ def test_a_reworded_log_message_in_the_training_code_resumes_a_killed_run(mini_r
     forget_finished_runs(work)
     res = run(work, cfg, *targets, forcerun="train", env=faults(KILL_RANK_1))
     assert res.returncode != 0
-    train_py = REPO / "workflow/dflashpipe/training/loop.py"  # the loop logs the first step
+    checkout = copy_checkout(work.parent / "edited")  # the edit in a checkout of its own
+    train_py = checkout / "workflow/dflashpipe/training/loop.py"  # the loop logs the first step
     original = train_py.read_text()
     assert 'log(f"first step done in ' in original
-    try:
-        train_py.write_text(original.replace('log(f"first step done in ', 'log(f"the first step took '))
-        planned = set(planned_rules(work, *targets, "--configfile", str(cfg)))
-        assert "train" in planned and "warm_slot" not in planned  # the killed job's, not the message's
-        run_ok(work, cfg, *targets)
-    finally:
-        train_py.write_text(original)
+    train_py.write_text(original.replace('log(f"first step done in ', 'log(f"the first step took '))
+    planned = set(planned_rules(work, *targets, "--configfile", str(cfg), snakefile=checkout / "Snakefile"))
+    assert "train" in planned and "warm_slot" not in planned  # the killed job's, not the message's
+    run_ok(work, cfg, *targets, snakefile=checkout / "Snakefile")
     log = rank_log(work)
     assert "resumed from step 2" in log and "the first step took" in log  # the new code ran, and resumed
     assert max_diff(weights(work), weights(ref)) <= 1e-6
