@@ -164,6 +164,13 @@ def test_code_digest_of_the_training_code_ignores_a_reworded_log_line(tmp_path):
     assert meaning_digest(files, root) == before
     train.write_text(src.replace("== 0", "== 1", 1))
     assert "== 0" in src and meaning_digest(files, root) != before
+    train.write_text(src)
+    loop = root / "training" / "loop.py"  # the loop's own messages: the first step's time, the held-out figures
+    files.append(str(loop))
+    before, src = meaning_digest(files, root), loop.read_text()
+    assert 'log(f"first step done in ' in src
+    loop.write_text(src.replace('log(f"first step done in ', 'log(f"the first step took '))
+    assert meaning_digest(files, root) == before
 
 
 def _package(root: Path, files: dict[str, str]) -> Path:
