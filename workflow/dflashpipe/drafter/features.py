@@ -95,17 +95,16 @@ def _layer_masks(inner, embeds, attention_mask, position_ids):
     types = layer_types_of(inner)
     if any(t not in _MASK_BUILDERS for t in types):
         return None, types
-    key = None
+    held, key = _SHAPE_MASKS.setdefault(inner, {}), None
     if attention_mask is None:
         key = (tuple(types), getattr(inner.config, "_attn_implementation", None), *embeds.shape[:2], embeds.dtype,
                embeds.device)
-        held = _SHAPE_MASKS.setdefault(inner, {})
         if key in held:
             return held[key], types
     build = {t: getattr(masking_utils, _MASK_BUILDERS[t]) for t in set(types)}
     masks = {t: _call_mask_fn(fn, inner.config, embeds, attention_mask, position_ids) for t, fn in build.items()}
     if key is not None and all(m is None for m in masks.values()):
-        _SHAPE_MASKS[inner][key] = masks
+        held[key] = masks
     return masks, types
 
 
