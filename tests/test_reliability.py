@@ -184,7 +184,6 @@ def test_a_killed_rank_and_a_failed_export_recover_on_a_plain_rerun(mini_run, mi
     assert max_diff(weights(work), weights(ref)) <= 1e-6
 
 
-@pytest.mark.slow  # ~75 s; the suite keeps its sibling: an edit that changes the weights retrains
 def test_a_reworded_log_message_in_the_training_code_resumes_a_killed_run(mini_run, mini_copy):
     """The run identity digests the training code by meaning: a killed run whose code then only
     changed a log message reruns (its outputs are missing) and RESUMES from its checkpoint."""
