@@ -468,3 +468,36 @@ def test_the_target_cache_is_off_with_more_than_one_rank_and_says_so():
     assert resolve_setup(cfg, "cpu", 3, [0], world_size=2).target_cache is None
     assert target_cache_off(cfg, 2).startswith("train.cache_target_features: off with 2 ranks: a sample goes to another")
     assert target_cache_off(TrainConfig(**BASE), 2) is None  # not asked for: nothing to say
+
+
+# -- 8. the gradient clip inside a fused AdamW -------------------------------------
+
+
+def test_fused_adamw_clips_in_its_step_as_clip_grad_norm_does(micro_target, micro_tokenized, tmp_path, monkeypatch):
+    """A fused AdamW (CUDA's) takes the gradient clip as its grad_scale instead of a rescaling pass
+    (distributed.clip_and_step): the same run as clip_grad_norm_ then the step, to rounding, over steps the
+    clip scales and steps it leaves alone. Fused AdamW runs on the CPU too, so both paths run here."""
+    import dflashpipe.training.distributed as distributed
+    import dflashpipe.training.step as step
+
+    def plain(opt, params, max_norm):  # the step before: rescale the gradients in memory, then step
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        opt.step()
+        return norm
+
+    monkeypatch.setattr(distributed, "_kernel", lambda device: {"fused": True})
+    cfg = TrainConfig(**{**BASE, "loss": "kl"}, epochs=2, checkpoint_every=100, grad_clip=0.5)
+    runs = {}
+    for name, fn in (("plain", plain), ("in_step", distributed.clip_and_step)):
+        monkeypatch.setattr(step, "clip_and_step", fn)
+        a = rank_args(tmp_path, cfg, micro_tokenized, micro_target, 0, 1, f"rdzv_{name}", name)
+        train_rank(**a, log=quiet)
+        runs[name] = (weights(Path(a["run"].final_state).parent), read_metrics(a["run"].metrics_csv))
+    (w0, m0), (w1, m1) = runs["plain"], runs["in_step"]
+    assert len(m0) == len(m1) >= 4
+    clipped = [float(r["grad_norm"]) > cfg.grad_clip for r in m0]
+    assert 3 <= sum(clipped) <= len(m0) - 3  # both kinds of step
+    for r0, r1 in zip(m0, m1):
+        assert float(r1["loss"]) == pytest.approx(float(r0["loss"]), rel=1e-4)
+        assert float(r1["grad_norm"]) == pytest.approx(float(r0["grad_norm"]), rel=1e-4)
+    assert max_diff(w0, w1) < 1e-5

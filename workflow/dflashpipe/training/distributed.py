@@ -142,6 +142,30 @@ def _kernel(device: torch.device) -> dict:
     return {"fused": True} if device.type == "cuda" else {"foreach": True}
 
 
+def clip_and_step(opt, params: list, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_(params, max_norm)`` then ``opt.step()``; returns the pre-clip global gradient norm.
+
+    A fused AdamW (CUDA, :func:`_kernel`) takes the clip as its ``grad_scale``: each gradient is divided
+    by max(1, norm / max_norm) as the kernel reads it, instead of a pass that rescales every fp32 gradient
+    in memory first (docs/training-throughput.md). The same update to rounding (x / (1 / c) for x * c);
+    ``tests/test_train.py`` compares both. Without ``max_norm`` (0) only the norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    local = getattr(opt, "optim", opt)  # ZeRO's local AdamW steps this rank's share
+    if max_norm <= 0 or not local.defaults.get("fused"):
+        norm = (torch.nn.utils.clip_grad_norm_(params, max_norm) if max_norm > 0
+                else torch.nn.utils.get_total_norm(grads))
+        opt.step()
+        return norm
+    norm = torch.nn.utils.get_total_norm(grads)
+    # clip_grad_norm_'s coefficient max_norm / (norm + 1e-6), capped at 1, as the divisor it is the inverse of
+    local.grad_scale = 1.0 / torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    try:
+        opt.step()
+    finally:
+        del local.grad_scale
+    return norm
+
+
 def sharded_adamw(model: torch.nn.Module, lr: float, weight_decay: float, device: torch.device):
     """AdamW with its state sharded over the ranks (ZeRO-1); fused on CUDA."""
     from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -23,7 +23,7 @@ import torch
 from dflashpipe.jobs.errors import UserError
 
 from dflashpipe.training.data import PRIME_SALT, make_batch, sample_seed
-from dflashpipe.training.distributed import all_reduce_
+from dflashpipe.training.distributed import all_reduce_, clip_and_step
 from dflashpipe.drafter.features import TargetCache, compiled_target_layer, context_features
 from dflashpipe.drafter.loss import (DSPARK_CONFIDENCE, EAGER_CE, ChunkCE, Objective, RowPlan, block_loss, compiled_chunk_ce,
                                      confidence_loss, selector_loss)
@@ -264,11 +264,7 @@ def train_step(model, target, opt, batch, lr: float, setup: Setup, mark=_no_mark
     world_size = torch.distributed.get_world_size()
     (loss_sum * world_size / w_global).backward()  # DDP averages over the K ranks
     mark("backward")
-    if setup.cfg.grad_clip > 0:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, setup.cfg.grad_clip)
-    else:
-        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
-    opt.step()
+    grad_norm = clip_and_step(opt, params, setup.cfg.grad_clip)
     mark("optimizer")
     loss, acc, gn = (stats[0] / w_global).item(), (stats[1] / acc_global).item(), grad_norm.item()
     return {"loss": loss, "acc": acc, "grad_norm": gn, "weight": stats[3].item(), "tokens": int(stats[4].item())}
