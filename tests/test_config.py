@@ -144,3 +144,15 @@ def test_drafter_keys_that_do_not_fit_the_target_are_refused_before_anything_run
     cfg = mini_config()
     cfg["drafter"].update(arch="dflash", conv_group_size=12)  # no convolutions in the paper's drafter
     prepare_config(cfg, "my.yaml")
+
+
+def test_a_config_file_that_is_not_a_mapping_is_one_line(tmp_path, capsys):
+    """`python -m dflashpipe.config` on a file of a list (a stray '- ') gave an AttributeError traceback."""
+    from dflashpipe.config import main
+
+    bad = tmp_path / "my.yaml"
+    bad.write_text("- results: out\n")
+    assert main([str(bad)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"ERROR: {bad}: a config maps keys to values at the top level (e.g. `train: {{max_steps: 100}}`), but this "
+        "file holds a list; write its settings as `key: value` lines without a leading '- '")

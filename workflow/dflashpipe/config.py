@@ -447,7 +447,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         merged = load_yaml(str(SCHEMA_PATH.parents[2] / "config" / "config.yaml"))
         for f in files:
-            merged = _merge(merged, load_yaml(f))
+            data = load_yaml(f)
+            if not isinstance(data, dict):
+                kind = "a list" if isinstance(data, list) else f"the single value {data!r}"
+                raise UserError(f"{f}: a config maps keys to values at the top level (e.g. `train: {{max_steps: 100}}`), "
+                                f"but this file holds {kind}; write its settings as `key: value` lines"
+                                + (" without a leading '- '" if isinstance(data, list) else ""))
+            merged = _merge(merged, data)
         notes = prepare_config(merged, ", ".join(files), files)
         for line in notes:
             print(line)
