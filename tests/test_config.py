@@ -156,3 +156,14 @@ def test_a_config_file_that_is_not_a_mapping_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (
         f"ERROR: {bad}: a config maps keys to values at the top level (e.g. `train: {{max_steps: 100}}`), but this "
         "file holds a list; write its settings as `key: value` lines without a leading '- '")
+
+
+def test_a_number_yaml_reads_as_text_says_how_to_write_it():
+    """YAML reads `1e-4` (no dot) as a string: the error said only "'1e-4' is not of type 'number'"."""
+    cfg = mini_config()
+    cfg["train"]["lr"] = yaml.safe_load("lr: 1e-4")["lr"]
+    with pytest.raises(UserError) as e:
+        check(cfg)
+    assert str(e.value) == ("my.yaml: train.lr: '1e-4' is not of type 'number' (YAML reads 1e-4 as text, not a "
+                            "number: write 1.0e-4)")
+    assert yaml.safe_load("lr: 1.0e-4")["lr"] == 1e-4  # the spelling it suggests is a number

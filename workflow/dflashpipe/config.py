@@ -80,7 +80,21 @@ def _message(err: jsonschema.ValidationError) -> str:
             e = inner[0]
             why = f" ({'item ' + _dotted(e.relative_path) + ': ' if e.relative_path else ''}{e.message})"
         return f"{where}: {err.instance!r} is not {forms}{why}"
+    if err.validator == "type" and isinstance(err.instance, str) and "number" in err.validator_value:
+        written = _yaml_float(err.instance)
+        if written:
+            return f"{where}: {err.message} (YAML reads {err.instance} as text, not a number: write {written})"
     return f"{where}: {err.message}"
+
+
+def _yaml_float(text: str) -> str | None:
+    """``1e-4`` as YAML reads it as a number (``1.0e-4``: a dot in the mantissa, a sign in the exponent), or
+    None when ``text`` is not such a number. PyYAML takes ``1e-4`` and ``1.0e4`` for strings."""
+    m = re.fullmatch(r"([-+]?(?:\d+\.?\d*|\.\d+))[eE]([-+]?)(\d+)", text.strip())
+    if not m:
+        return None
+    mantissa, sign, exponent = m.groups()
+    return f"{mantissa if '.' in mantissa else mantissa + '.0'}e{sign or '+'}{exponent}"
 
 
 def _form(schema: dict) -> str:
