@@ -167,3 +167,12 @@ def test_a_number_yaml_reads_as_text_says_how_to_write_it():
     assert str(e.value) == ("my.yaml: train.lr: '1e-4' is not of type 'number' (YAML reads 1e-4 as text, not a "
                             "number: write 1.0e-4)")
     assert yaml.safe_load("lr: 1.0e-4")["lr"] == 1e-4  # the spelling it suggests is a number
+
+
+def test_a_typo_is_matched_against_the_words_of_a_key():
+    """`train.stpes` suggested 'dtype' (the closest whole name), not 'max_steps'."""
+    cfg = mini_config()
+    cfg["train"]["stpes"] = 100
+    with pytest.raises(UserError) as e:
+        check(cfg)
+    assert str(e.value) == "my.yaml: train.stpes: unknown key (did you mean 'max_steps'?)"

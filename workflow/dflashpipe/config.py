@@ -64,8 +64,8 @@ def _message(err: jsonschema.ValidationError) -> str:
         extra = [k for k in err.instance if k not in known]
         key = extra[0] if extra else "?"
         full = f"{where}.{key}" if err.absolute_path else key
-        hint = difflib.get_close_matches(key, known, n=1)
-        suggestion = f" (did you mean '{hint[0]}'?)" if hint else f" (known keys: {', '.join(known)})"
+        hint = _closest(key, known)
+        suggestion = f" (did you mean '{hint}'?)" if hint else f" (known keys: {', '.join(known)})"
         return f"{full}: unknown key{suggestion}"
     if err.validator == "oneOf":
         return f"{where}: give exactly one of `path` (a local jsonl/parquet file) or `hf` (a Hugging Face dataset name)"
@@ -85,6 +85,18 @@ def _message(err: jsonschema.ValidationError) -> str:
         if written:
             return f"{where}: {err.message} (YAML reads {err.instance} as text, not a number: write {written})"
     return f"{where}: {err.message}"
+
+
+def _closest(key: str, known: list[str]) -> str | None:
+    """The known key a typo most likely meant, by its whole name or by one of its words (`stpes`:
+    'max_steps', where the whole names alone give 'dtype'); ties go to the closer whole name."""
+    def score(name):
+        whole = difflib.SequenceMatcher(None, key, name).ratio()
+        words = [difflib.SequenceMatcher(None, key, w).ratio() for w in name.split("_")]
+        return max([whole, *words]), whole
+
+    best = max(known, key=score, default=None)
+    return best if best is not None and score(best)[0] >= 0.6 else None
 
 
 def _yaml_float(text: str) -> str | None:
