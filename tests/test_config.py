@@ -176,3 +176,20 @@ def test_a_typo_is_matched_against_the_words_of_a_key():
     with pytest.raises(UserError) as e:
         check(cfg)
     assert str(e.value) == "my.yaml: train.stpes: unknown key (did you mean 'max_steps'?)"
+
+
+def test_a_dataset_file_of_another_format_is_refused_while_planning(tmp_path):
+    """A .csv dataset passed the dry run and failed only in the prompts job: now one line before planning."""
+    from dflashpipe.config import prepare_config
+
+    data = tmp_path / "mine.csv"
+    data.write_text("prompt\nhello\n")
+    cfg = mini_config()
+    cfg["datasets"]["math"]["path"] = str(data)
+    with pytest.raises(UserError) as e:
+        prepare_config(cfg, "my.yaml")
+    assert str(e.value) == (f"my.yaml: datasets.math.path: {data} is not a file the prompts stage reads; give it as "
+                            "one of .jsonl, .jsonl.gz, .json, .json.gz, .parquet (README: A real target and real datasets)")
+    data.rename(tmp_path / "mine.JSONL")  # the stage matches the name case-blind
+    cfg["datasets"]["math"]["path"] = str(tmp_path / "mine.JSONL")
+    prepare_config(cfg, "my.yaml")

@@ -412,6 +412,7 @@ def prepare_config(config: dict, source: str, user_files=(), cli_config: dict | 
     drafter keys that must fit its shape (:func:`_check_drafter_fits_target`).
     Returns lines worth showing the user.
     """
+    from dflashpipe.inputs.data import LOCAL_SUFFIXES
     from dflashpipe.inputs.target import check_target_files, resolve_mask_token
 
     datasets = user_datasets(user_files, cli_config)
@@ -428,6 +429,9 @@ def prepare_config(config: dict, source: str, user_files=(), cli_config: dict | 
                 raise UserError(f"{source}: datasets.{name}.path: {spec['path']} is not a file (a relative path is "
                                 "read from the working directory, then from the checkout); fix the path or remove "
                                 "the dataset")
+            if not spec["path"].lower().endswith(LOCAL_SUFFIXES):  # refused before planning, not by the job
+                raise UserError(f"{source}: datasets.{name}.path: {spec['path']} is not a file the prompts stage "
+                                f"reads; give it as one of {', '.join(LOCAL_SUFFIXES)} (README: A real target and real datasets)")
     if config["target"]["path"] is not None:
         config["target"]["path"] = repo_path(config["target"]["path"])  # the shipped tiny target from any -d
         _check_target_outside_results(config, source)
