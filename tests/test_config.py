@@ -193,3 +193,13 @@ def test_a_dataset_file_of_another_format_is_refused_while_planning(tmp_path):
     data.rename(tmp_path / "mine.JSONL")  # the stage matches the name case-blind
     cfg["datasets"]["math"]["path"] = str(tmp_path / "mine.JSONL")
     prepare_config(cfg, "my.yaml")
+
+
+def test_a_value_where_a_section_goes_names_its_keys():
+    """`gpu: 2` said only "2 is not of type 'object'"."""
+    cfg = mini_config()
+    cfg["gpu"] = 2
+    with pytest.raises(UserError) as e:
+        check(cfg)
+    assert str(e.value) == ("my.yaml: gpu: 2 is not a section of keys; write it as `gpu: {slots: ...}` "
+                            "(its keys: slots, lock_dir, lease_timeout_s)")

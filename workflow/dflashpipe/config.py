@@ -80,6 +80,10 @@ def _message(err: jsonschema.ValidationError) -> str:
             e = inner[0]
             why = f" ({'item ' + _dotted(e.relative_path) + ': ' if e.relative_path else ''}{e.message})"
         return f"{where}: {err.instance!r} is not {forms}{why}"
+    if err.validator == "type" and err.validator_value == "object" and err.schema.get("properties"):
+        first = next(iter(err.schema["properties"]))  # `gpu: 2` for `gpu: {slots: 2}`
+        return (f"{where}: {err.instance!r} is not a section of keys; write it as `{where}: {{{first}: ...}}` "
+                f"(its keys: {', '.join(err.schema['properties'])})")
     if err.validator == "type" and isinstance(err.instance, str) and "number" in err.validator_value:
         written = _yaml_float(err.instance)
         if written:
