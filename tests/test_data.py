@@ -74,6 +74,15 @@ def test_malformed_line_is_counted_and_located_by_file_and_line(tmp_path):
         normalize(load_rows({"path": str(f)}, "d"), {"path": str(f)}, "d", max_bad_rows=0.0)
 
 
+def test_a_corrupt_parquet_is_one_line(tmp_path, capfd):
+    """`datasets` logged its own "Failed to read schema ..." line before ours: two lines for one fault."""
+    f = tmp_path / "broken.parquet"
+    f.write_bytes(b"PAR1" + bytes(range(200)))
+    with pytest.raises(UserError, match=rf"^datasets.d.path: cannot load {f}: .*Parquet magic bytes not found"):
+        load_rows({"path": str(f)}, "d")
+    assert capfd.readouterr().err == ""
+
+
 def test_empty_file(tmp_path):
     f = tmp_path / "empty.jsonl"
     f.write_text("")

@@ -120,6 +120,8 @@ def _load_dataset(builder: str, data_files: str | None, what: str, spec: dict | 
     import datasets
 
     datasets.disable_progress_bars()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its own line for a broken file: ours says it
     try:
         if spec is None:
             return datasets.load_dataset(builder, data_files=data_files, split="train")
@@ -129,6 +131,8 @@ def _load_dataset(builder: str, data_files: str | None, what: str, spec: dict | 
         hub = (". Without hub access, download it first or point `path` at a local jsonl/parquet file"
                if spec is not None else "")
         raise UserError(f"{what}: {first}{hub}") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
 
 
 def _table_rows(table, label: str) -> list[tuple[str, dict]]:
