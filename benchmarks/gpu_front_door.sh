@@ -106,7 +106,8 @@ EOF
     # the plots, the export's card and config, the benchmark TSVs, the logs and small summaries: files under 2 MB
     (cd "$RES" 2>/dev/null && find plots drafter/README.md drafter/config.json benchmarks logs tables eval/*.summary.json eval/*.concurrency.json \
         train/summary.json train/metrics.csv tokenized/stats.json prompts/*.stats.json effective_config.yaml \
-        -type f -size -2M 2>/dev/null) > "$WORK/pack$tag/files.txt"
+        runs/*/plots runs/*/tables runs/*/logs runs/*/benchmarks runs/*/eval/*.summary.json runs/*/train/summary.json \
+        runs/*/drafter/README.md -type f -size -2M 2>/dev/null) > "$WORK/pack$tag/files.txt"
     tar czf "$out/results$tag.tar.gz" --ignore-failed-read -C "$RES" -T "$WORK/pack$tag/files.txt" \
         -C "$WORK/pack$tag" jobs.csv benchmarks.csv 2>/dev/null || true
     # the log itself (gzipped if it is past what a call brings back)
@@ -227,6 +228,11 @@ wait)
         $PY -c "import pandas as pd, sys; pd.set_option('display.width', 250); pd.set_option('display.max_columns', 30)
 print(pd.read_csv(sys.argv[1]).to_string(index=False))" "$RES/tables/eval.csv" 2>/dev/null || cat "$RES/tables/eval.csv"
     fi
+    for f in "$RES"/runs/*/tables/eval.csv; do  # config runs: (e.g. config/smollm2_chat_levers.yaml)
+        [ -f "$f" ] || continue
+        echo "--- $f" && $PY -c "import pandas as pd, sys; pd.set_option('display.width', 250)
+print(pd.read_csv(sys.argv[1]).to_string(index=False))" "$f" 2>/dev/null || cat "$f"
+    done
     [ ! -f "$RES/tables/concurrency.csv" ] || { echo "--- $RES/tables/concurrency.csv"; cat "$RES/tables/concurrency.csv"; }
     pack "$ARG" "$WORK/snakemake.log"
     echo "--- jobs (Snakemake's log)" && cat "$ARG/jobs.md"

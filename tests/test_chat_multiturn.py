@@ -123,14 +123,15 @@ def test_arena_hard_is_an_eval_set_of_untrained_prompts_whose_categories_take_tu
                                               "messages_column": "messages", "use": "eval"}
 
 
-def test_the_chat_levers_overlay_sets_runs_that_differ_from_smollm2_only_in_chats_weight():
-    """config/smollm2_chat_levers.yaml: a run without any lever (config/smollm2.yaml's keys as they are) and one
-    that draws chat twice an epoch, code still three times; merged as the workflow merges them, a valid config."""
+def test_the_chat_levers_overlay_sets_runs_that_differ_from_smollm2_in_one_lever_each():
+    """config/smollm2_chat_levers.yaml: a run without any lever (config/smollm2.yaml's keys as they are), one
+    that draws chat twice an epoch (code still three times) and one that trains twice the steps, with an epoch
+    cap that lets it; merged as the workflow merges them, a valid config."""
     from dflashpipe.config import run_config
 
     base = yaml.safe_load((REPO / "config" / "smollm2.yaml").read_text())
     levers = yaml.safe_load((REPO / "config" / "smollm2_chat_levers.yaml").read_text())
-    assert set(levers) == {"runs"} and set(levers["runs"]) == {"without", "chat_x2"}
+    assert set(levers) == {"runs"} and set(levers["runs"]) == {"without", "chat_x2", "steps_x2"}
     merged = _merge(_merge(yaml.safe_load((REPO / "config" / "config.yaml").read_text()), base), levers)
     merged["datasets"] = user_datasets([REPO / "config" / "smollm2.yaml"])
     merged = validate_config(merged, str(SCHEMA_PATH), "smollm2 + chat_levers")
@@ -140,3 +141,10 @@ def test_the_chat_levers_overlay_sets_runs_that_differ_from_smollm2_only_in_chat
     assert {k: v for k, v in chat_x2["train"].items() if k != "repeat"} == \
         {k: v for k, v in without["train"].items() if k != "repeat"}
     assert chat_x2["drafter"] == without["drafter"] and chat_x2["evaluate"] == without["evaluate"]
+    steps_x2 = run_config(merged, "steps_x2")
+    assert steps_x2["train"]["max_steps"] == 2 * without["train"]["max_steps"] == 6000
+    # 6,000 steps of 16 are 3.1 epochs of the mix's 31,149 samples drawn (docs/real-target.md): a cap of 2 would end it first
+    assert steps_x2["train"]["epochs"] * 31_149 >= 6000 * steps_x2["train"]["batch_size"]
+    assert {k: v for k, v in steps_x2["train"].items() if k not in ("max_steps", "epochs")} == \
+        {k: v for k, v in without["train"].items() if k not in ("max_steps", "epochs")}
+    assert steps_x2["drafter"] == without["drafter"] and steps_x2["evaluate"] == without["evaluate"]
