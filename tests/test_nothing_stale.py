@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import planned_rules, sha256, snakemake
+from conftest import CODE_EDIT, copy_checkout, planned_rules, sha256, snakemake
 
 # a deleted output -> the rules a dry run must plan first (with what reads it after)
 DELETED = {
@@ -113,6 +113,27 @@ def test_a_rebuilt_input_of_the_same_content_recomputes_nothing(mini_copy):
     assert res.returncode == 0, res.stderr[-3000:]
     evaluated = _last_run(r / "logs/evaluate/math_heldout.log")
     assert "restored" not in evaluated and "leased slot" in evaluated
+
+
+def test_an_edit_of_the_tokenizing_code_that_tokenizes_the_same_bytes_trains_nothing(mini_copy, tmp_path):
+    """An edit of how chats are tokenized (inputs/tokenize.py) reruns tokenize; where its output comes out with
+    the same bytes, what reads it restores its outputs. Training read the tokenizing code into its own code
+    digest (it imported the reader from that module) and trained again from step one, for the same weights."""
+    work, cfg = mini_copy
+    r = work / "results"
+    checkout = copy_checkout(tmp_path / "checkout")
+    module = checkout / "workflow/dflashpipe/inputs/tokenize.py"
+    module.write_text(module.read_text() + CODE_EDIT)  # a new statement: what the module means changed
+    kept = ["tokenized/train/data-00000-of-00001.arrow", "train/final.safetensors", "drafter/model.safetensors",
+            "ar_draft/model.safetensors", "eval/math_heldout.summary.json"]
+    before = {f: sha256(r / f) for f in kept}
+    res = snakemake(work, "--cores", "2", "--configfile", str(cfg), snakefile=checkout / "Snakefile")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "restored" not in _last_run(r / "logs/tokenize/tokenize.log")  # its code changed: it tokenized
+    assert {f: sha256(r / f) for f in kept} == before
+    assert "no step is trained" in _last_run(r / "logs/train/train.log")
+    for rule in ("ar_draft", "export", "evaluate"):
+        assert "restored" in _last_run(r / f"logs/{READ_MATH[rule]}.log"), rule
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from pathlib import Path
 from dflashpipe.export.files import EXPORT_FILES
 from dflashpipe.evaluate.methods import METHODS, needs_ar_draft
 from dflashpipe.inputs.target import SAVED_MODEL_FILES, target_fingerprint
-from dflashpipe.inputs.tokenize import TOKENIZED_FILES
+from dflashpipe.inputs.tokenized import TOKENIZED_FILES
 from dflashpipe.jobs.codedeps import script_digest
 from dflashpipe.jobs.compile_cache import COMPILE_CACHE
 from dflashpipe.jobs.filedigest import file_digest

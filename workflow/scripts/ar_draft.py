@@ -1,5 +1,5 @@
 from dflashpipe.evaluate.ar_draft import ARDraftConfig, train_ar_draft
-from dflashpipe.inputs.tokenize import load_tokenized
+from dflashpipe.inputs.tokenized import load_tokenized
 from dflashpipe.jobs.lease import lease_for_job
 from dflashpipe.jobs.folders import folder_of
 from dflashpipe.jobs.memo import Memo

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflashpipe.inputs.tokenize import load_tokenized
+from dflashpipe.inputs.tokenized import load_tokenized
 from dflashpipe.jobs.atomic import write_json
 from dflashpipe.jobs.errors import UserError
 

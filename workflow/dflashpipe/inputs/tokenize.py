@@ -36,17 +36,14 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from dflashpipe.inputs.data import read_parquet
-from dflashpipe.jobs.atomic import atomic_path, write_json
-from dflashpipe.jobs.errors import UserError, damaged_output
+from dflashpipe.inputs.tokenized import save_tokenized
+from dflashpipe.jobs.atomic import write_json
+from dflashpipe.jobs.errors import UserError
 
-#: the files of the tokenized dataset (``datasets.save_to_disk`` in one shard): the workflow asks for each
-#: of them, so a file deleted from ``results/tokenized/train/`` makes the tokenize job run again
-TOKENIZED_FILES = ("data-00000-of-00001.arrow", "dataset_info.json", "state.json")
 
 
 def _ids(tokenizer, messages, add_generation_prompt, kwargs) -> list[int]:
@@ -282,7 +279,7 @@ def tokenize_expanded(
             f"{rules.min_loss_tokens} loss tokens within tokenize.buckets' largest length {rules.max_length}: "
             "raise expand.max_new_tokens or the largest bucket"
         )
-    _save(records, out_dir)
+    save_tokenized(records, out_dir)
     stats = _stats(records, rules, tally, per_dataset, target_path)
     write_json(stats_path, stats)
     log(f"tokenized: {stats['samples']} samples, {stats['tokens']} tokens, {stats['loss_tokens']} loss tokens, "
@@ -375,27 +372,6 @@ def _earlier_turns(row, rules: _Rules, tally: _Tally) -> list[tuple[int, list[in
     return earlier
 
 
-def _save(records: list[dict], out_dir: str) -> None:
-    """The samples as one ``datasets`` dataset on disk (atomically)."""
-    import datasets
-
-    features = datasets.Features(
-        {
-            "dataset": datasets.Value("string"),
-            "id": datasets.Value("string"),
-            "sample": datasets.Value("int32"),
-            "input_ids": datasets.Sequence(datasets.Value("int32")),
-            "loss_mask": datasets.Sequence(datasets.Value("int8")),
-            "length": datasets.Value("int32"),
-            "num_loss_tokens": datasets.Value("int32"),
-            "bucket": datasets.Value("int32"),
-        }
-    )
-    ds = datasets.Dataset.from_list(records, features=features)
-    with atomic_path(out_dir, is_dir=True) as tmp:
-        ds.save_to_disk(str(tmp), num_shards=1)
-
-
 def _stats(records: list[dict], rules: _Rules, tally: _Tally, per_dataset: dict, target_path: str) -> dict:
     dropped, id_outcomes = tally.dropped, tally.id_outcomes
     lengths = [r["length"] for r in records]
@@ -440,14 +416,3 @@ def _stats(records: list[dict], rules: _Rules, tally: _Tally, per_dataset: dict,
         "mean_length": sum(lengths) / len(lengths),
         "target_path": str(target_path),
     }
-
-
-def load_tokenized(path: str):
-    import datasets
-
-    if not Path(path).exists():
-        raise UserError(f"{path}: tokenized dataset missing; run the tokenize stage first")
-    try:
-        return datasets.load_from_disk(path)
-    except Exception as err:  # noqa: BLE001 - pyarrow and datasets raise several types for a damaged file
-        raise damaged_output(path, err) from None

@@ -87,7 +87,7 @@ class RunData:
     """The tokenized data of a run as its ranks read it: the rows, their length buckets, the held-out split,
     and the step count they give."""
 
-    ds: object  # the tokenized dataset (dflashpipe.inputs.tokenize.load_tokenized)
+    ds: object  # the tokenized dataset (dflashpipe.inputs.tokenized.load_tokenized)
     buckets: np.ndarray  # per sample: its length bucket
     train_idx: np.ndarray
     heldout_idx: np.ndarray
@@ -126,7 +126,7 @@ def long_enough(ds, cfg, source: str, log=print) -> np.ndarray:
 
 
 def run_data(ds, cfg, pad_id: int, source: str, log=print) -> RunData:
-    """A run's tokenized data ``ds`` (:func:`dflashpipe.inputs.tokenize.load_tokenized` of ``source``), its
+    """A run's tokenized data ``ds`` (:func:`dflashpipe.inputs.tokenized.load_tokenized` of ``source``), its
     held-out split and the number of steps (the same on every rank). ``cfg``: the run's
     :class:`~dflashpipe.training.train.TrainConfig`; ``log`` gets a line when the fraction lowers the cap."""
     buckets = np.asarray(ds["bucket"], dtype=np.int64)

@@ -87,7 +87,7 @@ def warm_compile(cfg: TrainConfig, tokenized_dir: str, target_dir: str, device: 
     set, at one rank's batch shape for a run of ``world_size`` ranks; returns
     the compile signature and seconds per bucket for the stamp.
     """
-    from dflashpipe.inputs.tokenize import load_tokenized
+    from dflashpipe.inputs.tokenized import load_tokenized
 
     laps = Laps()
     dev = resolve_device(device)
@@ -119,7 +119,7 @@ def train_rank(run: TrainRun, rank: int, device: str, *, log=print, hot_start=No
     compiled from scratch and forbids compiles from then on. The run's identity is the one the launcher
     computed (computed here, first, if ``run`` has none).
     """
-    from dflashpipe.inputs.tokenize import load_tokenized
+    from dflashpipe.inputs.tokenized import load_tokenized
 
     laps = Laps()
     t_start = laps.t
