@@ -106,7 +106,7 @@ def test_rows_without_a_prompt_are_skipped_and_counted_in_the_stats_and_log(tmp_
     assert stats["prompts"] == 2 and stats["rows_read"] == 4 and stats["skipped_total"] == 2
     assert {k: n for k, n in stats["skipped_rows"].items() if n} == {"empty_conversation": 1, "no_user_turn": 1}
     assert [(b["where"], b["id"]) for b in stats["first_skipped"]] == [(f"{f}:2", "b"), (f"{f}:3", "c")]
-    assert logged == [f"2 prompts of 4 rows (2 user turns, 1 with a reference reply); skipped 2 bad rows "
+    assert logged == [f"2 prompts of 4 rows (2 user turns; prompts with a reference reply: 1); skipped 2 bad rows "
                       f"(empty_conversation 1, no_user_turn 1; the first: {f}:2 (id 'b'): empty_conversation: "
                       "column 'conversations' holds no turns)"]
     picture = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},

@@ -147,9 +147,9 @@ def test_a_sharegpt_corpus_and_an_eval_file_as_they_come(tmp_path):
     allow = write_config(tmp_path / "allow.yaml", {"data": {"max_bad_rows": 6}})
     res = subprocess.run([sys.executable, "-m", "dflashpipe.config", str(mine), str(allow)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
-    assert (f"datasets.chat: 16 prompts of {n_rows} rows (24 user turns, 16 with a reference reply); skipped 6 bad rows "
+    assert (f"datasets.chat: 16 prompts of {n_rows} rows (24 user turns; prompts with a reference reply: 16); skipped 6 bad rows "
             f"({counts}; the first: {chat}:5: malformed_json: not JSON at column 1: Expecting value)") in res.stdout
-    assert "datasets.questions: 4 prompts of 4 rows (4 user turns, 0 with a reference reply)" in res.stdout
+    assert "datasets.questions: 4 prompts of 4 rows (4 user turns; prompts with a reference reply: 0)" in res.stdout
     res = snakemake(tmp_path, "--cores", "2", "--configfile", str(mine), str(small), str(allow))
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-4000:]

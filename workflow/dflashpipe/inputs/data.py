@@ -351,8 +351,8 @@ def normalize(rows: list[tuple[str, dict | SkippedRow]], spec: dict, name: str,
 
 def summary_line(stats: dict) -> str:
     """The prompts job's log line (and the config checker's) for one dataset's counts."""
-    line = (f"{stats['prompts']} prompts of {stats['rows_read']} rows ({stats['user_turns']} user turns, "
-            f"{stats['with_reference']} with a reference reply)")
+    line = (f"{stats['prompts']} prompts of {stats['rows_read']} rows ({stats['user_turns']} user turns; "
+            f"prompts with a reference reply: {stats['with_reference']})")
     if stats["skipped_total"]:
         counts = ", ".join(f"{why} {n}" for why, n in stats["skipped_rows"].items() if n)
         line += f"; skipped {stats['skipped_total']} bad rows ({counts}; the first: {describe_bad(stats['first_skipped'][0])})"

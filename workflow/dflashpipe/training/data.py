@@ -137,7 +137,8 @@ def run_data(ds, cfg, pad_id: int, source: str, log=print) -> RunData:
     train_idx, heldout_idx = usable[train_pos], usable[heldout_pos]
     if n_heldout < cfg.heldout_samples:
         log(f"held out {len(heldout_idx)} of {len(usable)} samples ({len(heldout_idx) / max(1, len(usable)):.0%}, "
-            f"train.heldout_samples {cfg.heldout_samples} capped by train.heldout_fraction {cfg.heldout_fraction})")
+            f"train.heldout_samples {cfg.heldout_samples} capped by train.heldout_fraction {cfg.heldout_fraction}"
+            + (", but at least 1)" if n_heldout > cfg.heldout_fraction * len(usable) else ")"))
     if cfg.repeat:  # the mix's weights: a dataset's training samples drawn `repeat` times per epoch
         train_idx = np.repeat(train_idx, [cfg.repeat.get(names[i], 1) for i in train_idx])
     steps_per_epoch = len(epoch_batches(buckets, train_idx, cfg.seed, 0, cfg.batch_size))
