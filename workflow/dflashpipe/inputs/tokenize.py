@@ -45,7 +45,6 @@ from dflashpipe.jobs.atomic import write_json
 from dflashpipe.jobs.errors import UserError
 
 
-
 def _ids(tokenizer, messages, add_generation_prompt, kwargs) -> list[int]:
     out = tokenizer.apply_chat_template(
         messages, tokenize=True, return_dict=True, add_generation_prompt=add_generation_prompt, **kwargs
