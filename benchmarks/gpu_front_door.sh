@@ -59,6 +59,13 @@ add_part() {
     cat "$1" >> "$WORK/gguf.parts" && echo "$name" >> "$WORK/gguf.list" && ls -l "$WORK/gguf.parts"
 }
 
+# a CSV as a table (as it is where pandas cannot read it)
+show_csv() {
+    echo "--- $1"
+    $PY -c "import pandas as pd, sys; pd.set_option('display.width', 250); pd.set_option('display.max_columns', 30)
+print(pd.read_csv(sys.argv[1]).to_string(index=False))" "$1" 2>/dev/null || cat "$1"
+}
+
 # a plan's job counts (Snakemake prints them twice)
 stats() { awk '/^Job stats/ {f=1} f {print} f && /^total/ {exit}' "$1"; }
 
@@ -224,14 +231,10 @@ wait)
         grep -vE '^ +(input|output|reason|log|resources): ' "$WORK/snakemake.log" | tail -8
     fi
     if [ -f "$RES/tables/eval.csv" ]; then
-        echo "--- $RES/tables/eval.csv"
-        $PY -c "import pandas as pd, sys; pd.set_option('display.width', 250); pd.set_option('display.max_columns', 30)
-print(pd.read_csv(sys.argv[1]).to_string(index=False))" "$RES/tables/eval.csv" 2>/dev/null || cat "$RES/tables/eval.csv"
+        show_csv "$RES/tables/eval.csv"
     fi
     for f in "$RES"/runs/*/tables/eval.csv; do  # config runs: (e.g. config/smollm2_chat_levers.yaml)
-        [ -f "$f" ] || continue
-        echo "--- $f" && $PY -c "import pandas as pd, sys; pd.set_option('display.width', 250)
-print(pd.read_csv(sys.argv[1]).to_string(index=False))" "$f" 2>/dev/null || cat "$f"
+        [ ! -f "$f" ] || show_csv "$f"
     done
     [ ! -f "$RES/tables/concurrency.csv" ] || { echo "--- $RES/tables/concurrency.csv"; cat "$RES/tables/concurrency.csv"; }
     pack "$ARG" "$WORK/snakemake.log"
